@@ -1,0 +1,40 @@
+"""Ledger of every monkeypatch this plugin applies to vLLM 0.32.
+
+One module per patched symbol. Each declares TARGET, WHY, HOW, UPSTREAM (the
+upstream change that would let us delete it) and `apply()`, which keeps the
+original, delegates to it, and refuses to patch twice.
+
+| module                 | target                                        |
+|------------------------|-----------------------------------------------|
+| engine_args            | EngineArgs.add_cli_args / from_cli_args / create_engine_config |
+| scheduler_schedule     | Scheduler.schedule                            |
+| runner_update_states   | GPUModelRunner._update_states                 |
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+logger = logging.getLogger("vllm_kvevict")
+
+PATCHES = ("engine_args", "scheduler_schedule", "runner_update_states")
+_applied: set[str] = set()
+
+
+def mark_patched(owner, name: str, wrapper) -> None:
+    """Install `wrapper` as owner.name, keeping the original on the wrapper."""
+    original = owner.__dict__[name]
+    if getattr(original, "__kvevict_original__", None) is not None:
+        raise RuntimeError(f"{owner.__name__}.{name} is already patched")
+    wrapper.__kvevict_original__ = original
+    setattr(owner, name, wrapper)
+    logger.debug("vllm_kvevict patched %s.%s", owner.__name__, name)
+
+
+def apply_all() -> None:
+    for name in PATCHES:
+        if name in _applied:
+            continue
+        importlib.import_module(f"{__name__}.{name}").apply()
+        _applied.add(name)

@@ -1,0 +1,62 @@
+"""TARGET: vllm.engine.arg_utils.EngineArgs.add_cli_args, .from_cli_args,
+           .create_engine_config
+
+WHY: `vllm serve M --kv-eviction h2o` must parse, show in --help, and reach
+     every process. vLLM has no hook for plugins to add engine flags.
+HOW: add an argument group; fold the parsed values into
+     `additional_config` (hashed and pickled to every process by vLLM); validate
+     the settings (and the budget against the block size) in
+     create_engine_config, so a bad value stops startup with the flag's name.
+UPSTREAM: a plugin API to register engine CLI arguments.
+"""
+
+from __future__ import annotations
+
+from vllm_kvevict.config import FLAGS, EvictionConfig, POLICIES
+
+from . import mark_patched
+
+_HELP = {
+    "kv_eviction": f"KV cache eviction policy: {', '.join(POLICIES)}. h2o keeps heavy "
+                   "hitters (accumulated attention) plus a recent window; streaming "
+                   "keeps attention sinks plus a recent window.",
+    "kv_budget": "Resident KV tokens per request: a token count (e.g. 256) or a "
+                 "fraction of the request's length (e.g. 0.2). Default: 1024.",
+    "kv_recent": "Recent-window size inside the budget, in the budget's unit "
+                 "(H2O's recent ratio). Default: half the budget.",
+    "kv_sink": "Attention-sink tokens always kept by the streaming policy. Default: 4.",
+}
+
+
+def apply() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    def add_cli_args(parser, *args, **kwargs):
+        parser = add_cli_args.__kvevict_original__.__func__(parser, *args, **kwargs)
+        group = parser.add_argument_group(
+            "KV eviction (vllm_kvevict)",
+            "Keep only the KV cache each request needs; freed blocks go back to "
+            "vLLM's block pool.")
+        for key, flag in FLAGS.items():
+            group.add_argument(flag, dest=key, default=None, help=_HELP[key],
+                               **({"choices": POLICIES} if key == "kv_eviction" else {}))
+        return parser
+
+    def from_cli_args(cls, args):
+        engine_args = from_cli_args.__kvevict_original__.__func__(cls, args)
+        given = {k: getattr(args, k) for k in FLAGS if getattr(args, k, None) is not None}
+        if given:
+            EvictionConfig.from_dict(given)  # fail now, naming the flag
+            engine_args.additional_config = {**(engine_args.additional_config or {}), **given}
+        return engine_args
+
+    def create_engine_config(self, *args, **kwargs):
+        cfg = EvictionConfig.from_dict(self.additional_config or {})
+        vllm_config = create_engine_config.__kvevict_original__(self, *args, **kwargs)
+        if cfg.enabled:
+            cfg.check_block_size(vllm_config.cache_config.block_size)
+        return vllm_config
+
+    mark_patched(EngineArgs, "add_cli_args", staticmethod(add_cli_args))
+    mark_patched(EngineArgs, "from_cli_args", classmethod(from_cli_args))
+    mark_patched(EngineArgs, "create_engine_config", create_engine_config)

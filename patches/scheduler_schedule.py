@@ -1,0 +1,38 @@
+"""TARGET: vllm.v1.core.sched.scheduler.Scheduler.schedule
+
+WHY: compaction plans decided by our KV manager inside `allocate_slots` must
+     reach every worker in the same step, before any KV is written there.
+HOW: after the stock schedule(), drain the plans of every
+     EvictableAttentionManager and attach an `EvictionStep` to the
+     SchedulerOutput as attribute `kv_eviction` (plain dataclasses, pickled
+     with the output to mp / Ray workers). Plans of requests that were freed
+     in the same step (preempted, aborted) were already dropped by the manager.
+UPSTREAM: a per-manager "worker metadata" hook on SchedulerOutput, or KV
+     managers allowed to emit block moves (like kv_cache_block_copies) with a
+     per-head index.
+"""
+
+from __future__ import annotations
+
+from . import mark_patched
+
+
+def apply() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_kvevict.integration.plans import STEP_ATTR, EvictionStep
+    from vllm_kvevict.integration.spec import EvictableAttentionManager
+
+    def schedule(self, *args, **kwargs):
+        output = schedule.__kvevict_original__(self, *args, **kwargs)
+        managers = [m for m in self.kv_cache_manager.coordinator.single_type_managers
+                    if isinstance(m, EvictableAttentionManager)]
+        if managers:
+            step = EvictionStep()
+            for m in managers:
+                step.plans.extend(m.take_plans())
+                step.evicted.update({r: n for r, n in m.evicted.items() if n})
+            setattr(output, STEP_ATTR, step)
+        return output
+
+    mark_patched(Scheduler, "schedule", schedule)

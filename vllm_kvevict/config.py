@@ -1,0 +1,136 @@
+"""Eviction settings: one frozen value, parsed and validated once, vLLM-free.
+
+The same keys serve both front doors:
+  CLI      `vllm serve M --kv-eviction h2o --kv-budget 256 --kv-recent 64`
+  offline  `LLM(M, additional_config={"kv_eviction": "h2o", "kv_budget": 256})`
+Every error names the flag, so a bad value fails at startup, never mid-request.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+POLICIES = ("none", "h2o", "streaming")
+
+# key in additional_config -> CLI flag, for error messages and the CLI layer.
+FLAGS = {
+    "kv_eviction": "--kv-eviction",
+    "kv_budget": "--kv-budget",
+    "kv_recent": "--kv-recent",
+    "kv_sink": "--kv-sink",
+}
+
+
+class EvictionConfigError(ValueError):
+    """A setting that cannot work; the message names the flag."""
+
+
+def _flag(key: str) -> str:
+    return f"{FLAGS[key]} (additional_config['{key}'])"
+
+
+def _number(key: str, value: Any) -> int | float:
+    """An int (tokens) or a float in (0, 1] (fraction of the sequence)."""
+    if isinstance(value, bool):
+        raise EvictionConfigError(f"{_flag(key)} must be a number, got {value!r}")
+    if isinstance(value, str):
+        text = value.strip().rstrip("%")
+        try:
+            value = float(text) / 100 if value.strip().endswith("%") else (
+                int(text) if text.lstrip("+-").isdigit() else float(text))
+        except ValueError:
+            raise EvictionConfigError(
+                f"{_flag(key)} must be a token count (256) or a fraction (0.2), "
+                f"got {value!r}") from None
+    if isinstance(value, float) and value.is_integer() and value > 1:
+        value = int(value)
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise EvictionConfigError(f"{_flag(key)} must be a number, got {value!r}")
+    if value <= 0:
+        raise EvictionConfigError(f"{_flag(key)} must be > 0, got {value!r}")
+    if isinstance(value, float) and value > 1:
+        raise EvictionConfigError(
+            f"{_flag(key)}: a fraction must be in (0, 1], got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class EvictionConfig:
+    """What to keep per request.
+
+    policy:  "none" | "h2o" (heavy hitters + recent window) | "streaming"
+             (attention sinks + recent window, the control).
+    budget:  resident tokens per request: an int (tokens) or a float in (0, 1]
+             (fraction of the request's current length, as in H2O's ratios).
+    recent:  the recent window inside the budget, same units as `budget`;
+             default half the budget (H2O's equal heavy/recent split).
+    sink:    tokens always kept at the start (streaming only).
+    """
+
+    policy: str = "none"
+    budget: int | float = 1024
+    recent: int | float | None = None
+    sink: int = 4
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy != "none"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> "EvictionConfig":
+        """Parse the `kv_*` keys of `additional_config`; other keys are ignored."""
+        raw = dict(raw or {})
+        policy = str(raw.get("kv_eviction") or "none").strip().lower()
+        if policy not in POLICIES:
+            raise EvictionConfigError(
+                f"{_flag('kv_eviction')}: unknown policy {raw.get('kv_eviction')!r}; "
+                f"choose one of {', '.join(POLICIES)}")
+        budget = _number("kv_budget", raw.get("kv_budget", cls.budget))
+        recent = raw.get("kv_recent")
+        recent = None if recent is None else _number("kv_recent", recent)
+        sink = _number("kv_sink", raw.get("kv_sink", cls.sink))
+        if not isinstance(sink, int):
+            raise EvictionConfigError(f"{_flag('kv_sink')} must be a token count")
+        if recent is not None:
+            if isinstance(recent, int) != isinstance(budget, int):
+                raise EvictionConfigError(
+                    f"{_flag('kv_recent')} must use the same unit as --kv-budget "
+                    f"(both token counts or both fractions), got {recent!r} and {budget!r}")
+            if recent > budget:
+                raise EvictionConfigError(
+                    f"{_flag('kv_recent')} ({recent}) must not exceed --kv-budget ({budget})")
+        if policy == "streaming" and isinstance(budget, int) and sink >= budget:
+            raise EvictionConfigError(
+                f"{_flag('kv_sink')} ({sink}) must be smaller than --kv-budget ({budget})")
+        return cls(policy=policy, budget=budget, recent=recent, sink=sink)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        return {"kv_eviction": d["policy"], "kv_budget": d["budget"],
+                "kv_recent": d["recent"], "kv_sink": d["sink"]}
+
+    def check_block_size(self, block_size: int) -> None:
+        """Refuse budgets that cannot hold one whole block (known only at startup)."""
+        if self.enabled and isinstance(self.budget, int) and self.budget < block_size:
+            raise EvictionConfigError(
+                f"{_flag('kv_budget')} ({self.budget}) is below one KV block "
+                f"({block_size} tokens); raise it or lower --block-size")
+
+    # --- per-request arithmetic (tokens), used by scheduler and worker alike ---
+
+    def budget_tokens(self, length: int, block_size: int) -> int:
+        """Resident tokens allowed for a request of logical `length`."""
+        if isinstance(self.budget, int):
+            return self.budget
+        # A fraction never goes below one block: evicting inside one block frees nothing.
+        return max(block_size, math.ceil(self.budget * length))
+
+    def recent_tokens(self, budget: int, length: int) -> int:
+        """Size of the always-kept recent window for a given budget."""
+        if self.recent is None:
+            return budget // 2
+        if isinstance(self.recent, int):
+            return min(self.recent, budget)
+        return min(budget, math.ceil(self.recent * length))

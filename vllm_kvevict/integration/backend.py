@@ -1,0 +1,147 @@
+"""Worker side: the attention backend that reads a compacted paged cache.
+
+We subclass the platform's stock backend and keep its kernels. Three things
+change, and only when eviction is enabled in `additional_config`:
+
+  1. metadata: for requests that evicted, `seq_lens` become physical lengths and
+     new tokens get physical slots (position - evicted); RoPE positions stay
+     logical because the runner computes them before we are called.
+  2. KV write: `forward_includes_kv_cache_update = True`, so the backend writes
+     K/V itself with that physical slot mapping.
+  3. scores: after attention, H2O scores are accumulated beside the cache.
+
+With eviction disabled, the backend behaves exactly like the stock one.
+On CUDA the same wrapper is built around FLASH_ATTN (see `cuda_backend`);
+that path is importable without a GPU but has never run here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
+
+from vllm_kvevict.config import EvictionConfig
+from vllm_kvevict.integration.scores import accumulate_scores
+from vllm_kvevict.integration.worker import init_worker_state, worker_state
+from vllm_kvevict.kv_layout import split_kv_cache
+
+
+def eviction_config(vllm_config=None) -> EvictionConfig:
+    vllm_config = vllm_config or get_current_vllm_config()
+    return EvictionConfig.from_dict(vllm_config.additional_config or {})
+
+
+def physical_view(cm, evicted: torch.Tensor, block_size: int):
+    """CommonAttentionMetadata with physical seq_lens and slot_mapping.
+
+    evicted: (num_reqs,) int32, logical - physical per batch row.
+    New tokens of row i occupy physical positions [S_i - q_i, S_i).
+    """
+    num_reqs, n = cm.num_reqs, cm.num_actual_tokens
+    seq = cm.seq_lens[:num_reqs] - evicted
+    qsl = cm.query_start_loc[: num_reqs + 1].long()
+    q_lens = qsl[1:] - qsl[:-1]
+    row = torch.repeat_interleave(torch.arange(num_reqs), q_lens)
+    pos = (seq.long() - q_lens)[row] + torch.arange(n) - qsl[:-1][row]
+    slots = cm.block_table_tensor[row, pos // block_size].long() * block_size + pos % block_size
+    slot_mapping = cm.slot_mapping.clone()
+    slot_mapping[:n] = slots
+    seq_lens = cm.seq_lens.clone()
+    seq_lens[:num_reqs] = seq
+    return replace(cm, seq_lens=seq_lens, slot_mapping=slot_mapping,
+                   max_seq_len=int(seq.max()))
+
+
+class EvictingCPUMetadataBuilder(CPUAttentionMetadataBuilder):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.state = worker_state()
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        cm = common_attn_metadata
+        if self.state is not None:
+            evicted = self.state.evicted_per_row(cm.num_reqs)
+            if evicted is not None:
+                cm = physical_view(cm, evicted, self.block_size)
+        return super().build(common_prefix_len, cm, fast_build)
+
+
+class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        vllm_config = get_current_vllm_config()
+        cfg = eviction_config(vllm_config)
+        # Model init runs inside the config context; later hooks (customize_spec)
+        # do not, so the process's eviction state is created here.
+        init_worker_state(vllm_config, cfg, vllm_config.cache_config.block_size)
+        if cfg.enabled and (self.alibi_slopes is not None or self.logits_soft_cap
+                            or self.sliding_window != -1 or self.sinks is not None):
+            raise ValueError("--kv-eviction supports plain causal attention only "
+                             "(no ALiBi, soft-cap, sliding window or sinks)")
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if attn_metadata is None:
+            return output
+        n = attn_metadata.num_actual_tokens
+        # The backend owns the KV write (forward_includes_kv_cache_update).
+        if key is not None and value is not None:
+            self.do_kv_cache_update(layer, key[:n], value[:n], kv_cache,
+                                    attn_metadata.slot_mapping[:n])
+        out = super().forward(layer, query, key, value, kv_cache, attn_metadata,
+                              output, output_scale, output_block_scale)
+        state = worker_state()
+        if (state is not None and state.policy.needs_scores
+                and self.attn_type == AttentionType.DECODER):
+            lc = state.layer(layer.layer_name, kv_cache, layer.isa)
+            key_cache, _ = split_kv_cache(kv_cache)
+            accumulate_scores(lc.scores, lc.layout, key_cache, query[:n],
+                              attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                              attn_metadata.block_table, attn_metadata.slot_mapping,
+                              self.scale)
+        elif state is not None and self.attn_type == AttentionType.DECODER:
+            state.layer(layer.layer_name, kv_cache, layer.isa)
+        return out
+
+
+class EvictingCPUAttentionBackend(CPUAttentionBackend):
+    forward_includes_kv_cache_update: bool = True
+
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"
+
+    @staticmethod
+    def get_impl_cls():
+        return EvictingCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return EvictingCPUMetadataBuilder
+
+    @classmethod
+    def customize_spec(cls, spec):
+        spec = super().customize_spec(spec)
+        return evictable_spec(spec)
+
+
+def evictable_spec(spec):
+    """Swap a full-attention spec for the evictable one when eviction is on."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_kvevict.integration.spec import EvictableAttentionSpec
+
+    state = worker_state()
+    if state is None or type(spec) is not FullAttentionSpec:
+        return spec
+    cfg = state.cfg
+    fields = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
+    return EvictableAttentionSpec(**fields, eviction=tuple(sorted(cfg.to_dict().items())))

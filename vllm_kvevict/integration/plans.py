@@ -1,0 +1,41 @@
+"""The only data that crosses from the scheduler to the workers: small and plain.
+
+One `EvictionStep` rides on each `SchedulerOutput` as the attribute
+`kv_eviction` (see patches/scheduler_schedule.py). Workers of every TP rank get
+the same step and compact their own KV heads with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+STEP_ATTR = "kv_eviction"
+
+
+@dataclass(frozen=True)
+class CompactionPlan:
+    """Shrink one request from `old_len` to `new_len` resident tokens.
+
+    The worker gathers the kept tokens from the first cdiv(old_len, bs) blocks of
+    `src_block_ids` and writes them, in order, to slots [0, new_len) of
+    `dst_block_ids`. dst == src except where a kept block was shared or prefix
+    cached: the scheduler then gave the request a private block (copy-on-write,
+    done by the gather/scatter itself). After the plan the request's block row is
+    exactly `dst_block_ids`, followed by whatever this step allocates.
+    """
+
+    req_id: str
+    group_id: int
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+    old_len: int
+    new_len: int
+    logical_len: int
+
+
+@dataclass
+class EvictionStep:
+    plans: list[CompactionPlan] = field(default_factory=list)
+    # req_id -> logical - physical tokens, for every request that has evicted.
+    # Authoritative each step, so workers keep no offset state of their own.
+    evicted: dict[str, int] = field(default_factory=dict)

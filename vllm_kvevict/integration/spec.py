@@ -1,0 +1,147 @@
+"""Scheduler side: a KV cache spec whose manager frees evicted blocks.
+
+`EvictableAttentionSpec` is what our attention backend's `customize_spec`
+returns when eviction is on; importing this module registers it with vLLM's
+spec registry (the public extension point), so the engine core, which
+unpickles the spec, builds an `EvictableAttentionManager` for that group.
+
+The manager is vLLM's FullAttentionManager with one idea added: a request
+holds `logical - evicted` physical tokens. Block needs are computed from the
+physical length, and `remove_skipped_blocks` (called by `allocate_slots`
+before every allocation) is where compaction is decided, tail blocks go back to
+vLLM's BlockPool, and shared/prefix-cached kept blocks are swapped for private
+ones. Plans wait in `pending` until the scheduler step is sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+from vllm_kvevict.config import EvictionConfig
+from vllm_kvevict.integration.plans import CompactionPlan
+from vllm_kvevict.planner import compaction_target
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvictableAttentionSpec(FullAttentionSpec):
+    # The eviction settings as a sorted tuple of items: hashable and picklable.
+    eviction: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def merge(cls, specs: list["EvictableAttentionSpec"]) -> "EvictableAttentionSpec":
+        # FullAttentionSpec.merge rebuilds the spec field by field; keep ours.
+        assert len({s.eviction for s in specs}) == 1, "layers disagree on eviction"
+        return replace(super().merge(specs), eviction=specs[0].eviction)
+
+    @property
+    def eviction_config(self) -> EvictionConfig:
+        return EvictionConfig.from_dict(dict(self.eviction))
+
+    def max_memory_usage_bytes(self, vllm_config) -> int:
+        """A request never holds more than budget + block + one prefill chunk, so
+        a pool smaller than max_model_len can still serve max_model_len."""
+        full = super().max_memory_usage_bytes(vllm_config)
+        cfg = self.eviction_config
+        if not isinstance(cfg.budget, int):
+            return full
+        chunk = vllm_config.scheduler_config.max_num_batched_tokens
+        peak = cfg.budget + self.block_size + chunk
+        return min(full, cdiv(peak, self.block_size) * self.page_size_bytes)
+
+
+class EvictableAttentionManager(FullAttentionManager):
+    def __init__(self, kv_cache_spec: EvictableAttentionSpec, **kwargs) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        self.cfg = kv_cache_spec.eviction_config
+        self.evicted: dict[str, int] = {}  # req_id -> logical - physical
+        self.pending: list[CompactionPlan] = []
+        self.num_compactions = 0
+        self.num_tokens_evicted = 0
+
+    # --- physical lengths ---------------------------------------------------
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence, total_computed_tokens: int,
+                                   num_local_computed_tokens: int, num_tokens_main_model: int,
+                                   **kwargs) -> int:
+        ev = self.evicted.get(request_id, 0)
+        return super().get_num_blocks_to_allocate(
+            request_id, num_tokens - ev, new_computed_blocks,
+            total_computed_tokens - ev, num_local_computed_tokens - ev,
+            num_tokens_main_model - ev, **kwargs)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int,
+                            num_tokens_main_model: int, *args, **kwargs):
+        ev = self.evicted.get(request_id, 0)
+        return super().allocate_new_blocks(
+            request_id, num_tokens - ev, num_tokens_main_model - ev, *args, **kwargs)
+
+    def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
+        # Once compacted, a request's blocks no longer hold its token prefix:
+        # registering them for prefix caching would serve wrong KV to others.
+        if self.evicted.get(request.request_id, 0) == 0:
+            super().cache_blocks(request, num_tokens, *args, **kwargs)
+
+    def pop_blocks_for_free(self, request_id: str):
+        self.evicted.pop(request_id, None)
+        self.pending = [p for p in self.pending if p.req_id != request_id]
+        return super().pop_blocks_for_free(request_id)
+
+    # --- eviction -------------------------------------------------------------
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        logical = processed_computed_tokens
+        ev = self.evicted.get(request_id, 0)
+        physical = logical - ev
+        in_prefill = num_prompt_tokens is not None and logical < num_prompt_tokens
+        target = compaction_target(self.cfg, physical, logical, in_prefill, self.block_size)
+        if target is None or any(p.req_id == request_id for p in self.pending):
+            return
+        old_blocks = cdiv(physical, self.block_size)
+        keep_blocks = cdiv(target, self.block_size)
+        src = blocks[:old_blocks]
+        # Blocks another request reads, or the prefix cache may hand out, are
+        # never written in place: compaction writes a private block instead.
+        shared = [i for i in range(keep_blocks)
+                  if src[i].ref_cnt > 1 or src[i].block_hash is not None]
+        tail = blocks[keep_blocks:]
+        freeable = sum(b.ref_cnt == 1 for b in tail)
+        if len(shared) > self.block_pool.get_num_free_blocks() + freeable:
+            return  # no room for private copies yet: retry next step
+        # Free the tail (newest first, like vLLM's free()), then swap shared blocks.
+        del blocks[keep_blocks:]
+        self.block_pool.free_blocks(reversed(tail))
+        if shared:
+            fresh = self.block_pool.get_new_blocks(len(shared))
+            for i, blk in zip(shared, fresh):
+                self.block_pool.free_blocks([blocks[i]])
+                blocks[i] = blk
+        self.num_cached_block[request_id] = 0
+        self.evicted[request_id] = ev + physical - target
+        self.num_compactions += 1
+        self.num_tokens_evicted += physical - target
+        self.pending.append(CompactionPlan(
+            req_id=request_id, group_id=self.kv_cache_group_id,
+            src_block_ids=tuple(b.block_id for b in src),
+            dst_block_ids=tuple(b.block_id for b in blocks[:keep_blocks]),
+            old_len=physical, new_len=target, logical_len=logical))
+
+    def take_plans(self) -> list[CompactionPlan]:
+        plans, self.pending = self.pending, []
+        return plans
+
+
+KVCacheSpecRegistry._ensure_registered()  # built-ins first: registration is one-shot
+KVCacheSpecRegistry.register(EvictableAttentionSpec, EvictableAttentionManager,
+                             uniform_type_base_spec=FullAttentionSpec)

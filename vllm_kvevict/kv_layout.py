@@ -1,0 +1,200 @@
+"""One adapter for reading and moving tokens in vLLM's paged CPU KV cache.
+
+The CPU backend stores a layer's cache as ``[num_blocks, H, BS, 2*D]``, split
+by ``split_kv_cache`` into key/value caches of logical shape ``[num_blocks, H,
+BS, D]`` whose ``[BS, D]`` interior is ISA-packed by the C++ writer
+(``cpu_attn_reshape_and_cache``). We do not hard-code that packing: ``discover``
+writes index-coded tokens with the stock writer into a one-block scratch cache
+and reads back where each (head, token, dim) landed. If the result is an affine
+"tiled permutation" (token and dim axes each split at most once into
+outer/inner digits, e.g. vec K = [D][BS], amx bf16 K = [BS/16][D/2][16][2]) we
+read through zero-copy ``as_strided`` views; anything else falls back to
+element gathers through the discovered map.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+# Code digits are 0..255: bf16 holds integers exactly only up to 256.
+_BASE = 256
+
+
+def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[NB, H, BS, 2D]`` -> (key_cache, value_cache), each ``[NB, H, BS, D]``
+    views, exactly as ``cpu_attn.py`` splits it."""
+    nb, h, bs, _ = kv_cache.shape
+    return kv_cache.view(nb, h, 2 * bs, -1).chunk(2, dim=2)
+
+
+def _stock_map(isa: str, dtype: torch.dtype, bs: int, d: int, h: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block maps ``[H, BS, D]`` -> flat logical index into ``cache[b]``
+    (i.e. ``h*BS*D + row*D + col``) where the stock writer puts each element."""
+    from vllm import _custom_ops as ops
+
+    n = h * bs * d
+    code = torch.arange(n).view(h, bs, d)
+    dec = [torch.zeros(h, bs, d, dtype=torch.long) for _ in range(2)]
+    hit = [torch.ones(h, bs, d, dtype=torch.bool) for _ in range(2)]
+    for p in range(max(1, math.ceil(math.log(n, _BASE)))):
+        digit = ((code // _BASE**p) % _BASE).to(dtype).transpose(0, 1).contiguous()
+        kv = torch.full((1, h, bs, 2 * d), -1.0, dtype=dtype)  # -1 = never written
+        kc, vc = split_kv_cache(kv)
+        ops.cpu_attn_reshape_and_cache(digit, digit, kc, vc, torch.arange(bs), isa)
+        for i, c in enumerate((kc[0], vc[0])):
+            hit[i] &= c >= 0
+            dec[i] += c.clamp(min=0).long() * _BASE**p
+    maps = []
+    for i, name in enumerate("KV"):
+        src = dec[i][hit[i]]
+        if src.numel() != n or not torch.equal(src.sort().values, torch.arange(n)):
+            raise RuntimeError(f"{isa}/{dtype}: stock writer is not a bijection for {name}")
+        m = torch.empty(n, dtype=torch.long)
+        m[src] = torch.arange(n).view(h, bs, d)[hit[i]]  # element code -> position
+        maps.append(m.view(h, bs, d))
+    return maps[0], maps[1]
+
+
+def _fit_tiles(m: torch.Tensor) -> tuple[int, ...] | None:
+    """Find ``(T0, D0, base, s_t1, s_t0, s_d1, s_d0)`` with
+    ``m[h,t,d] == h*BS*D + base + t//T0*s_t1 + t%T0*s_t0 + d//D0*s_d1 + d%D0*s_d0``.
+    Untiled candidates come first, so a plain permutation gets T0=BS, D0=D."""
+    h, bs, d = m.shape
+    if not bool(((m - m[:1]) == torch.arange(h).view(h, 1, 1) * bs * d).all()):
+        return None  # heads interleaved: no per-head strided view
+    p, t, e = m[0], torch.arange(bs).view(bs, 1), torch.arange(d).view(1, d)
+    divs = lambda n: [x for x in range(n, 0, -1) if n % x == 0]  # noqa: E731
+    for t0 in divs(bs):
+        for d0 in divs(d):
+            base = int(p[0, 0])
+            st0 = int(p[1, 0]) - base if t0 > 1 else 0
+            st1 = int(p[t0, 0]) - base if t0 < bs else 0
+            sd0 = int(p[0, 1]) - base if d0 > 1 else 0
+            sd1 = int(p[0, d0]) - base if d0 < d else 0
+            pred = base + t // t0 * st1 + t % t0 * st0 + e // d0 * sd1 + e % d0 * sd0
+            if torch.equal(pred, p):
+                return (t0, d0, base, st1, st0, sd1, sd0)
+    return None
+
+
+@dataclass(frozen=True, eq=False)
+class KVLayout:
+    """In-block layout of K and V for one (isa, dtype, BS, D, H) combination.
+
+    ``k_map``/``v_map``: ``[H, BS, D]`` flat logical index into ``cache[b]``.
+    ``k_tiles``/``v_tiles``: ``_fit_tiles`` result, or None (gather fallback).
+    """
+
+    isa: str
+    dtype: torch.dtype
+    block_size: int
+    head_size: int
+    num_kv_heads: int
+    k_map: torch.Tensor
+    v_map: torch.Tensor
+    k_tiles: tuple[int, ...] | None
+    v_tiles: tuple[int, ...] | None
+
+    @classmethod
+    @functools.lru_cache(maxsize=None)
+    def discover(cls, isa: str, dtype: torch.dtype, block_size: int, head_size: int,
+                 num_kv_heads: int) -> "KVLayout":
+        """Probe the stock writer (needs vllm's C++ ops) once per argument tuple."""
+        km, vm = _stock_map(isa, dtype, block_size, head_size, num_kv_heads)
+        return cls(isa, dtype, block_size, head_size, num_kv_heads, km, vm,
+                   _fit_tiles(km), _fit_tiles(vm))
+
+    # -- strided views ---------------------------------------------------
+    def _view6(self, cache: torch.Tensor, tiles) -> torch.Tensor:
+        """``[NB, H, BS/T0, T0, D/D0, D0]`` zero-copy view of ``cache``."""
+        nb, h, bs, d = cache.shape
+        assert (h, bs, d) == (self.num_kv_heads, self.block_size, self.head_size)
+        assert cache.dtype == self.dtype and cache.stride(-1) == 1 and cache.stride(-2) == d
+        t0, d0, base, st1, st0, sd1, sd0 = tiles
+        return cache.as_strided((nb, h, bs // t0, t0, d // d0, d0),
+                                (cache.stride(0), cache.stride(1), st1, st0, sd1, sd0),
+                                cache.storage_offset() + base)
+
+    def _plain(self, cache: torch.Tensor, tiles) -> torch.Tensor | None:
+        if tiles is None or tiles[0] != self.block_size or tiles[1] != self.head_size:
+            return None
+        return self._view6(cache, tiles).flatten(2, 3).flatten(3, 4)  # stays a view
+
+    def keys_view(self, key_cache: torch.Tensor) -> torch.Tensor | None:
+        """``[NB, H, BS, D]`` strided view in token order, or None if K is tiled/irregular."""
+        return self._plain(key_cache, self.k_tiles)
+
+    def values_view(self, value_cache: torch.Tensor) -> torch.Tensor | None:
+        """``[NB, H, BS, D]`` strided view in token order, or None if V is tiled/irregular."""
+        return self._plain(value_cache, self.v_tiles)
+
+    # -- token reads / writes --------------------------------------------
+    def _index(self, cache, tiles, m, blk, off):
+        """(tensor, index tuple, value shape) addressing the ``[H, N, D]`` elements."""
+        blk, off = blk.long(), off.long()
+        h = torch.arange(self.num_kv_heads).view(-1, 1).expand_as(blk)
+        if tiles is not None:
+            t0, d0 = tiles[0], tiles[1]
+            idx = (blk, h, off // t0, off % t0)
+            return self._view6(cache, tiles), idx, (*blk.shape, -1, d0)
+        bs, d = self.block_size, self.head_size
+        assert cache.dtype == self.dtype and cache.shape[1:] == self.k_map.shape
+        f = m[h, off]  # [H, N, D] flat positions inside the block
+        idx = (blk.unsqueeze(-1), f // (bs * d), f // d % bs, f % d)
+        return cache, idx, (*blk.shape, d)
+
+    def read_tokens(self, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_ids: torch.Tensor, offsets: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``block_ids, offsets: [H, N]`` -> (k, v) ``[H, N, D]`` fresh copies (never
+        views), so callers may overwrite the source slots afterwards."""
+        out = []
+        for c, t, m in ((key_cache, self.k_tiles, self.k_map),
+                        (value_cache, self.v_tiles, self.v_map)):
+            src, idx, _ = self._index(c, t, m, block_ids, offsets)
+            out.append(src[idx].reshape(*block_ids.shape, self.head_size))
+        return out[0], out[1]
+
+    def write_tokens(self, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     block_ids: torch.Tensor, offsets: torch.Tensor,
+                     k: torch.Tensor, v: torch.Tensor) -> None:
+        """Inverse of ``read_tokens``: ``k, v: [H, N, D]`` into the given slots
+        (distinct per head; cast to the cache dtype). The usual move is
+        read-all-then-write, which is safe for overlapping source/destination
+        because reads return copies."""
+        for c, t, m, x in ((key_cache, self.k_tiles, self.k_map, k),
+                           (value_cache, self.v_tiles, self.v_map, v)):
+            dst, idx, shape = self._index(c, t, m, block_ids, offsets)
+            if x.untyped_storage().data_ptr() == c.untyped_storage().data_ptr():
+                x = x.clone()  # a view of the cache itself could be clobbered mid-scatter
+            dst[idx] = x.to(self.dtype).reshape(shape)
+
+    # -- whole-block gathers ---------------------------------------------
+    def _gather(self, cache, tiles, m, block_table, num_blocks):
+        bt = block_table[:, :num_blocks].long()
+        b, nblk = bt.shape
+        if tiles is not None:
+            # Two bulk passes beat one element-wise advanced-index gather (measured):
+            # index_select copies whole packed blocks (memcpy-like), then a single
+            # permute-copy unpacks the tiles and moves H in front of the block axis.
+            raw = cache.flatten(2).index_select(0, bt.flatten()).view(b * nblk, *cache.shape[1:])
+            out = self._view6(raw, tiles).unflatten(0, (b, nblk)).transpose(1, 2)
+        else:
+            bs, d = self.block_size, self.head_size
+            f = m.view(1, -1, 1, bs, d)
+            out = cache[bt[:, None, :, None, None], f // (bs * d), f // d % bs, f % d]
+        return out.reshape(b, self.num_kv_heads, nblk * self.block_size, self.head_size)
+
+    def gather_keys(self, key_cache, block_table, num_blocks=None) -> torch.Tensor:
+        """``block_table: [B, max_blocks]`` -> keys ``[B, H, num_blocks*BS, D]``
+        (a fresh tensor in logical token order; padded table entries read
+        whatever block they name, so mask by seq_lens)."""
+        return self._gather(key_cache, self.k_tiles, self.k_map, block_table, num_blocks)
+
+    def gather_values(self, value_cache, block_table, num_blocks=None) -> torch.Tensor:
+        """Same as ``gather_keys`` for values."""
+        return self._gather(value_cache, self.v_tiles, self.v_map, block_table, num_blocks)

@@ -1,0 +1,32 @@
+"""When to compact a request, and to what length. Pure arithmetic, vLLM-free.
+
+A request has a logical length L (RoPE positions keep growing) and a physical
+length P <= L (KV entries resident). The scheduler owns this rule and the worker
+just executes its plans, so both sides agree by construction.
+
+    decode:        compact when P >= budget + block_size, back down to budget.
+                   Compaction then runs once per block of new tokens, and a
+                   request never holds more than budget + block_size tokens.
+    chunked prefill: before each new prompt chunk, compact when P > budget, so a
+                   prompt far longer than the budget never holds more than
+                   budget + one chunk.
+"""
+
+from __future__ import annotations
+
+from vllm_kvevict.config import EvictionConfig
+
+
+def compaction_target(cfg: EvictionConfig, physical: int, logical: int,
+                      in_prefill: bool, block_size: int) -> int | None:
+    """New physical length if the request should be compacted now, else None."""
+    if not cfg.enabled:
+        return None
+    budget = cfg.budget_tokens(logical, block_size)
+    limit = budget if in_prefill else budget + block_size - 1
+    return budget if physical > limit else None
+
+
+def max_blocks_per_request(budget: int, block_size: int) -> int:
+    """The bound the issue states for decode: ceil((budget + bs) / bs) + 1."""
+    return -(-(budget + block_size) // block_size) + 1

@@ -1,0 +1,66 @@
+"""Eviction policies: given per-head scores over resident tokens, pick what stays.
+
+A policy sees one layer of one request at a time:
+
+    scores: (num_kv_heads, n)   float, accumulated importance of resident slot j
+    returns (num_kv_heads, keep) int64, kept slot indices, ascending per head
+
+Slots are in logical order within each head (compaction preserves order), so
+"the last r slots" are the r most recent tokens and "the first s slots" the
+oldest. Every head keeps the same count, which is what lets the stock paged
+attention kernels read the compacted cache unchanged.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class EvictionPolicy(ABC):
+    needs_scores: bool = True
+
+    @abstractmethod
+    def select(self, scores: torch.Tensor, keep: int, recent: int) -> torch.Tensor:
+        """(H, n) scores -> (H, keep) ascending kept slot indices."""
+
+
+class H2OPolicy(EvictionPolicy):
+    """Heavy-Hitter Oracle (Zhang et al. 2023, arXiv:2306.14048, Algorithm 1).
+
+    Keeps the `recent` newest tokens plus the `keep - recent` older tokens with
+    the largest accumulated attention (summed over the query heads of each KV
+    head's GQA group). Evicting in one batch of many tokens equals running the
+    paper's one-at-a-time greedy step repeatedly with frozen scores.
+    """
+
+    def select(self, scores: torch.Tensor, keep: int, recent: int) -> torch.Tensor:
+        num_heads, n = scores.shape
+        assert 0 <= recent <= keep <= n, (recent, keep, n)
+        tail = torch.arange(n - recent, n, device=scores.device).expand(num_heads, -1)
+        heavy = torch.topk(scores[:, : n - recent], keep - recent, dim=1).indices
+        return torch.cat([heavy, tail], dim=1).sort(dim=1).values
+
+
+class StreamingPolicy(EvictionPolicy):
+    """StreamingLLM (Xiao et al. 2023): the first `sink` tokens + the newest ones."""
+
+    needs_scores = False
+
+    def __init__(self, sink: int) -> None:
+        self.sink = sink
+
+    def select(self, scores: torch.Tensor, keep: int, recent: int) -> torch.Tensor:
+        num_heads, n = scores.shape
+        sink = min(self.sink, keep)
+        idx = torch.cat([torch.arange(sink), torch.arange(n - (keep - sink), n)])
+        return idx.to(scores.device).expand(num_heads, -1).contiguous()
+
+
+def make_policy(name: str, sink: int = 4) -> EvictionPolicy:
+    if name == "h2o":
+        return H2OPolicy()
+    if name == "streaming":
+        return StreamingPolicy(sink)
+    raise ValueError(f"no eviction policy named {name!r}")
