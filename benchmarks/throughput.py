@@ -1,0 +1,517 @@
+"""Throughput of KV eviction (h2o / streaming) against stock vLLM, on a fixed KV pool.
+
+Two tables, every configuration in one run:
+
+1. "constrained pool": a KV pool of --pool-tokens (default 8192 tokens, i.e. about
+   ten full 768-token requests) and --num-requests requests. Stock vLLM must
+   preempt / queue; eviction keeps each request near its budget, so more run
+   at once. Reports output tok/s, speedup vs stock, and vLLM's own block
+   accounting (peak blocks in use, running requests, preemptions).
+2. "memory ample": a pool large enough that nothing is preempted, so the only
+   difference from stock is the per-step cost of scoring + compaction.
+
+Every number about blocks, running requests and preemptions is read from
+vLLM's own scheduler objects (BlockPool, Scheduler.running, KV manager
+req_to_blocks, Scheduler._preempt_request calls) after every engine step, by
+wrapping `scheduler.schedule` on the in-process engine core
+(VLLM_ENABLE_V1_MULTIPROCESSING=0). The plugin's counters
+(num_compactions, num_tokens_evicted, evicted) are reported separately.
+
+Each configuration runs in a fresh subprocess by default (--same-process runs
+them sequentially in this process with `del llm; gc.collect()`).
+
+Examples:
+    python benchmarks/throughput.py --quick
+    python benchmarks/throughput.py --json out.json --plot out.png
+    python benchmarks/throughput.py --policies none h2o --budgets 128 256
+"""
+
+from __future__ import annotations
+
+import os
+
+# The engine core must live in this process so the scheduler can be read.
+# Must be set before vllm is imported (it is only imported inside functions).
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+import argparse
+import gc
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULT_MARKER = "@@KVEVICT_RESULT@@ "
+KV_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
+
+
+# --------------------------------------------------------------------------- workload
+
+
+def corpus_text() -> str:
+    """Real English text: the GPL-3 text, then Python's pydoc topics."""
+    parts = []
+    gpl = Path("/usr/share/common-licenses/GPL-3")
+    if gpl.is_file():
+        parts.append(gpl.read_text(encoding="utf-8", errors="replace"))
+    from pydoc_data.topics import topics
+
+    parts.extend(topics[k] for k in sorted(topics))
+    return "\n\n".join(parts)
+
+
+def make_prompts(model: str, num: int, length: int, seed_offset: int = 0) -> list[list[int]]:
+    """`num` prompts of exactly `length` token ids, sliced from the corpus at
+    distinct, spread-out offsets (so no two share a first KV block)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    ids = tok(corpus_text(), add_special_tokens=False)["input_ids"]
+    span = len(ids) - length
+    if span < num:
+        raise SystemExit(f"corpus has {len(ids)} tokens: too short for {num} x {length}")
+    stride = span // num
+    return [ids[seed_offset + i * stride: seed_offset + i * stride + length]
+            for i in range(num)]
+
+
+def kv_bytes_per_token(model: str, dtype: str) -> int:
+    """2 (K and V) * layers * kv heads * head dim * dtype bytes."""
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * KV_DTYPE_BYTES[dtype]
+
+
+# --------------------------------------------------------------------------- one run
+
+
+class StepRecorder:
+    """Samples vLLM's scheduler after every schedule() call."""
+
+    def __init__(self, scheduler) -> None:
+        self.scheduler = scheduler
+        kvm = scheduler.kv_cache_manager
+        self.block_pool = kvm.block_pool
+        managers = kvm.coordinator.single_type_managers
+        assert len(managers) == 1, f"expected one KV cache group, got {len(managers)}"
+        self.manager = managers[0]
+        self.reset()
+        self._orig_schedule = scheduler.schedule
+        self._orig_preempt = scheduler._preempt_request
+        scheduler.schedule = self._schedule  # instance attributes shadow the class
+        scheduler._preempt_request = self._preempt
+
+    def reset(self) -> None:
+        self.steps = 0
+        self.blocks_used: list[int] = []
+        self.running: list[int] = []
+        self.preemptions = 0
+        self.max_blocks_per_req = 0
+        self.last_len: dict[str, tuple[int, int, int]] = {}  # rid -> (logical, physical, blocks)
+
+    def _preempt(self, request, *args, **kwargs):
+        self.preemptions += 1
+        return self._orig_preempt(request, *args, **kwargs)
+
+    def _schedule(self, *args, **kwargs):
+        out = self._orig_schedule(*args, **kwargs)
+        if out.total_num_scheduled_tokens > 0:
+            bp = self.block_pool
+            # block 0 is vLLM's null block, never handed out
+            self.blocks_used.append(bp.num_gpu_blocks - 1 - bp.get_num_free_blocks())
+            self.running.append(len(self.scheduler.running))
+            self.steps += 1
+            evicted = getattr(self.manager, "evicted", {})
+            r2b = self.manager.req_to_blocks
+            for req in self.scheduler.running:
+                rid = req.request_id
+                nb = len(r2b.get(rid, ()))
+                if nb > self.max_blocks_per_req:
+                    self.max_blocks_per_req = nb
+                logical = req.num_computed_tokens  # includes tokens scheduled this step
+                self.last_len[rid] = (logical, logical - evicted.get(rid, 0), nb)
+        return out
+
+
+def run_config(cfg: dict) -> dict:
+    """Build one engine, generate, return measurements (plain JSON types)."""
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    blocks = math.ceil(cfg["pool_tokens"] / cfg["block_size"])
+    bpt = kv_bytes_per_token(cfg["model"], cfg["dtype"])
+    pool_bytes = blocks * cfg["block_size"] * bpt
+    additional = {"kv_eviction": cfg["policy"]}
+    if cfg["policy"] != "none":
+        additional.update(kv_budget=cfg["budget"], kv_recent=cfg["recent"])
+    llm = LLM(
+        cfg["model"],
+        enforce_eager=True,
+        dtype=cfg["dtype"],
+        block_size=cfg["block_size"],
+        max_model_len=cfg["max_model_len"],
+        kv_cache_memory_bytes=pool_bytes,
+        seed=0,
+        additional_config=additional,
+        **({"enable_prefix_caching": False} if cfg["no_prefix_caching"] else {}),
+    )
+    init_s = time.perf_counter() - t0
+    try:
+        core = llm.llm_engine.engine_core.engine_core
+        scheduler = core.scheduler
+        rec = StepRecorder(scheduler)
+        mgr = rec.manager
+
+        prompts = make_prompts(cfg["model"], cfg["num_requests"], cfg["prompt_len"])
+        params = SamplingParams(max_tokens=cfg["output_len"], ignore_eos=True,
+                                temperature=0.0)
+        if cfg["warmup"]:
+            warm = make_prompts(cfg["model"], 2, 16, seed_offset=7)
+            llm.generate([{"prompt_token_ids": p} for p in warm],
+                         SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0),
+                         use_tqdm=False)
+            llm.reset_prefix_cache()
+        rec.reset()
+        comp0 = getattr(mgr, "num_compactions", 0)
+        ev0 = getattr(mgr, "num_tokens_evicted", 0)
+        load0 = os.getloadavg()
+
+        t1 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+        wall = time.perf_counter() - t1
+        load1 = os.getloadavg()
+
+        n_out = [len(o.outputs[0].token_ids) for o in outs]
+        finished = sum(o.finished and n == cfg["output_len"] for o, n in zip(outs, n_out))
+        out_tokens = sum(n_out)
+        logical = sum(v[0] for v in rec.last_len.values())
+        physical = sum(v[1] for v in rec.last_len.values())
+        steps = rec.steps
+        return {
+            **cfg,
+            "ok": True,
+            "manager": type(mgr).__name__,
+            "num_gpu_blocks": rec.block_pool.num_gpu_blocks,
+            "kv_cache_memory_bytes": pool_bytes,
+            "kv_bytes_per_token": bpt,
+            "max_num_seqs": scheduler.max_num_running_reqs,
+            "max_num_batched_tokens": scheduler.scheduler_config.max_num_batched_tokens,
+            "prefix_caching": scheduler.cache_config.enable_prefix_caching,
+            "init_s": init_s,
+            "wall_s": wall,
+            "finished": finished,
+            "requests": len(outs),
+            "output_tokens": out_tokens,
+            "prompt_tokens": sum(len(p) for p in prompts),
+            "out_tok_s": out_tokens / wall,
+            "steps": steps,
+            "ms_per_step": 1000 * wall / steps if steps else None,
+            "peak_blocks": max(rec.blocks_used, default=0),
+            "mean_blocks": sum(rec.blocks_used) / steps if steps else 0.0,
+            "peak_running": max(rec.running, default=0),
+            "mean_running": sum(rec.running) / steps if steps else 0.0,
+            "preemptions": rec.preemptions,
+            "max_blocks_per_request": rec.max_blocks_per_req,
+            "tokens_seen_end": logical,
+            "tokens_kept_end": physical,
+            "num_compactions": getattr(mgr, "num_compactions", 0) - comp0,
+            "num_tokens_evicted": getattr(mgr, "num_tokens_evicted", 0) - ev0,
+            "loadavg_before": load0,
+            "loadavg_after": load1,
+            "output_token_ids_head": [o.outputs[0].token_ids[:16] for o in outs[:4]],
+        }
+    finally:
+        del llm
+        gc.collect()
+
+
+def run_in_subprocess(cfg: dict, verbose: bool) -> dict:
+    env = dict(os.environ)
+    if not verbose:
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    cmd = [sys.executable, os.path.abspath(__file__), "--_child", json.dumps(cfg)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+    result = None
+    tail: list[str] = []
+    for line in proc.stdout:
+        if line.startswith(RESULT_MARKER):
+            result = json.loads(line[len(RESULT_MARKER):])
+        else:
+            tail = (tail + [line])[-200:]
+            if verbose:
+                sys.stderr.write(line)
+    rc = proc.wait()
+    if rc != 0 or result is None:
+        sys.stderr.write("".join(tail))
+        errors = [ln.strip() for ln in tail if "Error" in ln or "error" in ln]
+        return {**cfg, "ok": False,
+                "error": f"exit {rc}: {errors[-1] if errors else 'no result'}"[:300],
+                "log_tail": "".join(tail)}
+    return result
+
+
+def run_one(cfg: dict, same_process: bool, verbose: bool) -> dict:
+    label = f"{cfg['table']}: {cfg['policy']} budget={cfg['budget']}"
+    print(f"[throughput] running {label} ...", file=sys.stderr, flush=True)
+    if same_process:
+        try:
+            res = run_config(cfg)
+        except Exception as exc:  # report, keep going with the other configs
+            import traceback
+
+            traceback.print_exc()
+            res = {**cfg, "ok": False, "error": repr(exc)}
+    else:
+        res = run_in_subprocess(cfg, verbose)
+    if res.get("ok"):
+        print(f"[throughput] {label}: {res['out_tok_s']:.1f} out tok/s, "
+              f"{res['wall_s']:.1f}s, preemptions={res['preemptions']}",
+              file=sys.stderr, flush=True)
+    else:
+        print(f"[throughput] {label}: FAILED {res.get('error')}", file=sys.stderr, flush=True)
+    return res
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def _fmt(v, spec=""):
+    return "-" if v is None else format(v, spec)
+
+
+def stock_of(results: list[dict]) -> dict | None:
+    return next((r for r in results if r["policy"] == "none" and r.get("ok")), None)
+
+
+def table_constrained(results: list[dict]) -> str:
+    stock = stock_of(results)
+    head = ("| policy | budget | finished | out tok/s | speedup vs stock | peak blocks "
+            "| mean running | preemptions | max blocks/request | kept/seen tokens (end) |")
+    lines = [head, "|" + "---|" * 10]
+    for r in results:
+        budget = r["budget"] if r["policy"] != "none" else "-"
+        if not r.get("ok"):
+            lines.append(f"| {r['policy']} | {budget} | FAILED: {r.get('error')} |"
+                         + " |" * 7)
+            continue
+        speed = r["out_tok_s"] / stock["out_tok_s"] if stock else None
+        kept = (f"{r['tokens_kept_end']}/{r['tokens_seen_end']} "
+                f"({r['tokens_kept_end'] / max(1, r['tokens_seen_end']):.0%})")
+        lines.append(
+            f"| {r['policy']} | {budget} | {r['finished']}/{r['requests']} "
+            f"| {r['out_tok_s']:.1f} | {_fmt(speed, '.2f')}x "
+            f"| {r['peak_blocks']}/{r['num_gpu_blocks'] - 1} | {r['mean_running']:.1f} "
+            f"| {r['preemptions']} | {r['max_blocks_per_request']} | {kept} |")
+    return "\n".join(lines)
+
+
+def table_ample(results: list[dict]) -> str:
+    stock = stock_of(results)
+    head = ("| policy | budget | finished | out tok/s | slowdown vs stock | ms/step "
+            "| mean running | preemptions | compactions | kept/seen tokens (end) |")
+    lines = [head, "|" + "---|" * 10]
+    for r in results:
+        budget = r["budget"] if r["policy"] != "none" else "-"
+        if not r.get("ok"):
+            lines.append(f"| {r['policy']} | {budget} | FAILED: {r.get('error')} |"
+                         + " |" * 7)
+            continue
+        slow = (1 - r["out_tok_s"] / stock["out_tok_s"]) if stock else None
+        kept = (f"{r['tokens_kept_end']}/{r['tokens_seen_end']} "
+                f"({r['tokens_kept_end'] / max(1, r['tokens_seen_end']):.0%})")
+        lines.append(
+            f"| {r['policy']} | {budget} | {r['finished']}/{r['requests']} "
+            f"| {r['out_tok_s']:.1f} | {_fmt(None if slow is None else 100 * slow, '+.1f')}% "
+            f"| {_fmt(r['ms_per_step'], '.1f')} | {r['mean_running']:.1f} "
+            f"| {r['preemptions']} | {r['num_compactions']} | {kept} |")
+    return "\n".join(lines)
+
+
+def plot(results_c: list[dict], results_a: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(t, rs) for t, rs in (("constrained pool", results_c),
+                                     ("memory ample", results_a)) if rs]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (title, rs) in zip(axes[0], panels):
+        labels = [r["policy"] if r["policy"] == "none" else f"{r['policy']}\nbudget {r['budget']}"
+                  for r in rs]
+        vals = [r["out_tok_s"] if r.get("ok") else 0.0 for r in rs]
+        colors = ["tab:gray" if r["policy"] == "none" else
+                  "tab:blue" if r["policy"] == "h2o" else "tab:orange" for r in rs]
+        bars = ax.bar(labels, vals, color=colors)
+        for b, v, r in zip(bars, vals, rs):
+            ax.annotate("FAILED" if not r.get("ok") else f"{v:.0f}",
+                        (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom")
+        r0 = rs[0]
+        ax.set_title(f"{title}: {r0['num_requests']} req, {r0['prompt_len']}+"
+                     f"{r0['output_len']} tok, pool {r0['pool_tokens']} tok", fontsize=9)
+        ax.set_ylabel("output tokens / s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="model dir (default: python -m vllm_kvevict.models)")
+    p.add_argument("--policies", nargs="+", default=["none", "h2o", "streaming"],
+                   choices=["none", "h2o", "streaming"])
+    p.add_argument("--budgets", nargs="+", type=int, default=None,
+                   help="kv_budget values (tokens) for each eviction policy (default 160)")
+    p.add_argument("--recent", type=int, default=None, help="kv_recent (default 64)")
+    p.add_argument("--num-requests", type=int, default=None, help="default 64")
+    p.add_argument("--prompt-len", type=int, default=None, help="default 256")
+    p.add_argument("--output-len", type=int, default=None, help="default 512")
+    p.add_argument("--pool-tokens", type=int, default=None,
+                   help="KV pool size in tokens, rounded up to whole blocks (default 8192)")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=None, help="default 1024")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="disable vLLM prefix caching (default: vLLM's default, on)")
+    p.add_argument("--ample-requests", type=int, default=None, help="default 16")
+    p.add_argument("--ample-output-len", type=int, default=None, help="default 256")
+    p.add_argument("--ample-pool-tokens", type=int, default=None,
+                   help="pool for the memory-ample table (default 64*768+1024)")
+    p.add_argument("--skip-ample", action="store_true", help="only the constrained table")
+    p.add_argument("--skip-constrained", action="store_true", help="only the ample table")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the tiny untimed generate before the timed one")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: 8 requests, 64-token prompts, 64 generated, budget 64, "
+                        "recent 32, pool 512 tokens, max_model_len 256; ample: 4 requests")
+    p.add_argument("--same-process", action="store_true",
+                   help="run configurations sequentially in this process "
+                        "(default: one fresh subprocess each)")
+    p.add_argument("--json", metavar="OUT.json", help="write raw results")
+    p.add_argument("--plot", metavar="OUT.png", help="bar chart of out tok/s per config")
+    p.add_argument("--verbose", action="store_true", help="show vLLM logs of the runs")
+    p.add_argument("--_child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    q = args.quick
+    defaults = dict(budgets=[64] if q else [160], recent=32 if q else 64,
+                    num_requests=8 if q else 64, prompt_len=64 if q else 256,
+                    output_len=64 if q else 512, pool_tokens=512 if q else 8192,
+                    max_model_len=256 if q else 1024,
+                    ample_requests=4 if q else 16, ample_output_len=64 if q else 256,
+                    ample_pool_tokens=4096 if q else 64 * 768 + 1024)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if "none" not in args.policies:
+        print("[throughput] note: no stock run, speedup columns will be '-'", file=sys.stderr)
+    for b in args.budgets:
+        if args.recent > b:
+            p.error(f"--recent {args.recent} exceeds budget {b}")
+    return args
+
+
+def configs(args, model: str) -> tuple[list[dict], list[dict]]:
+    common = dict(model=model, block_size=args.block_size, max_model_len=args.max_model_len,
+                  dtype=args.dtype, recent=args.recent, prompt_len=args.prompt_len,
+                  warmup=not args.no_warmup, no_prefix_caching=args.no_prefix_caching)
+    pol = [(p, None) for p in args.policies if p == "none"]
+    pol += [(p, b) for p in args.policies if p != "none" for b in args.budgets]
+    constrained = [dict(common, table="constrained", policy=p, budget=b,
+                        num_requests=args.num_requests, output_len=args.output_len,
+                        pool_tokens=args.pool_tokens) for p, b in pol]
+    ample = [dict(common, table="ample", policy=p, budget=b,
+                  num_requests=args.ample_requests, output_len=args.ample_output_len,
+                  pool_tokens=args.ample_pool_tokens) for p, b in pol]
+    if args.skip_constrained:
+        constrained = []
+    if args.skip_ample:
+        ample = []
+    return constrained, ample
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args._child:
+        res = run_config(json.loads(args._child))
+        sys.stdout.write(RESULT_MARKER + json.dumps(res) + "\n")
+        sys.stdout.flush()
+        return 0
+
+    if args.model is None:
+        from vllm_kvevict.models import ensure_smollm2
+
+        args.model = ensure_smollm2()
+    bpt = kv_bytes_per_token(args.model, args.dtype)
+    constrained, ample = configs(args, args.model)
+    print(f"[throughput] model {args.model}: {bpt} KV bytes/token; "
+          f"{len(constrained) + len(ample)} runs", file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    res_c = [run_one(c, args.same_process, args.verbose) for c in constrained]
+    res_a = [run_one(c, args.same_process, args.verbose) for c in ample]
+    total = time.perf_counter() - t0
+
+    cmd = " ".join([os.path.relpath(sys.executable)] + sys.argv)
+    print(f"\n## KV eviction throughput ({'quick' if args.quick else 'full'})\n")
+    print(f"command: `{cmd}`  ")
+    print(f"host: {platform.node()}, {os.cpu_count()} CPUs, python {platform.python_version()}; "
+          f"model {Path(args.model).name}, {args.dtype}, block {args.block_size}, "
+          f"max_model_len {args.max_model_len}, enforce_eager, temperature 0, ignore_eos  ")
+    print(f"total wall time {total:.0f}s (shared machine: load averages per run are in --json)")
+    if res_c:
+        r0 = constrained[0]
+        blocks = math.ceil(r0["pool_tokens"] / r0["block_size"])
+        print(f"\n### Constrained pool: {r0['num_requests']} requests x "
+              f"({r0['prompt_len']} prompt + {r0['output_len']} generated) tokens, "
+              f"pool {r0['pool_tokens']} tokens = {blocks} blocks "
+              f"({blocks * r0['block_size'] * bpt} bytes), recent {args.recent}\n")
+        print(table_constrained(res_c))
+        from vllm_kvevict.planner import max_blocks_per_request
+
+        extra = [f"{r['policy']}@{r['budget']}: decode bound "
+                 f"{max_blocks_per_request(r['budget'], r['block_size'])} blocks, prompt "
+                 f"{math.ceil(r['prompt_len'] / r['block_size'])} blocks, "
+                 f"{r['num_compactions']} compactions, {r['num_tokens_evicted']} tokens evicted"
+                 for r in res_c if r.get("ok") and r["policy"] != "none"]
+        if extra:
+            print("\n" + "; ".join(extra))
+        print("\npeak blocks = max over steps of BlockPool.num_gpu_blocks - 1 - "
+              "get_num_free_blocks(); mean running = mean len(Scheduler.running) over steps; "
+              "preemptions = calls to Scheduler._preempt_request; max blocks/request = max "
+              "len(manager.req_to_blocks[r]) over running r and steps; kept/seen = "
+              "resident vs logical tokens of each request at its last step, summed.")
+    if res_a:
+        r0 = ample[0]
+        print(f"\n### Memory ample: {r0['num_requests']} requests x "
+              f"({r0['prompt_len']} prompt + {r0['output_len']} generated) tokens, "
+              f"pool {r0['pool_tokens']} tokens\n")
+        print(table_ample(res_a))
+        if any(r.get("ok") and r["preemptions"] for r in res_a):
+            print("\nWARNING: preemptions in the 'ample' table; raise --ample-pool-tokens.")
+    sys.stdout.flush()
+
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"args": {k: v for k, v in vars(args).items() if k != "_child"},
+             "command": cmd, "total_s": total, "constrained": res_c, "ample": res_a},
+            indent=1))
+        print(f"\nwrote {args.json}", file=sys.stderr)
+    if args.plot:
+        plot(res_c, res_a, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0 if all(r.get("ok") for r in res_c + res_a) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Shared fixtures: the real converted SmolLM2 model and in-process engines."""
+
+import gc
+import os
+
+# In-process engine core: tests read vLLM's own BlockPool and the worker state.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+import pytest
+
+PROMPTS = [
+    "Write a detailed story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain, step by step, how a CPU executes an instruction.",
+    "The GNU General Public License is a free, copyleft license for software and other "
+    "kinds of works. Summarize what copyleft means.",
+    "List ten ideas for a science fair project.",
+]
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    from vllm_kvevict.models import ensure_smollm2
+
+    return ensure_smollm2()
+
+
+def make_llm(model_path, **kwargs):
+    from vllm import LLM
+
+    kwargs.setdefault("block_size", 32)
+    kwargs.setdefault("max_model_len", 2048)
+    kwargs.setdefault("kv_cache_memory_bytes", 96 << 20)
+    return LLM(model_path, enforce_eager=True, dtype="bfloat16", seed=0, **kwargs)
+
+
+def close(llm):
+    del llm
+    gc.collect()

@@ -1,0 +1,39 @@
+"""Bad settings fail fast, and the message names the flag."""
+
+import pytest
+
+from vllm_kvevict.config import EvictionConfig, EvictionConfigError
+
+
+@pytest.mark.parametrize("raw, flag", [
+    ({"kv_eviction": "lru"}, "--kv-eviction"),
+    ({"kv_eviction": "h2o", "kv_budget": 0}, "--kv-budget"),
+    ({"kv_eviction": "h2o", "kv_budget": -5}, "--kv-budget"),
+    ({"kv_eviction": "h2o", "kv_budget": "lots"}, "--kv-budget"),
+    ({"kv_eviction": "h2o", "kv_budget": 1.5}, "--kv-budget"),
+    ({"kv_eviction": "h2o", "kv_budget": 256, "kv_recent": 300}, "--kv-recent"),
+    ({"kv_eviction": "h2o", "kv_budget": 256, "kv_recent": 0.1}, "--kv-recent"),
+    ({"kv_eviction": "h2o", "kv_budget": 256, "kv_recent": "x"}, "--kv-recent"),
+    ({"kv_eviction": "streaming", "kv_budget": 4, "kv_sink": 4}, "--kv-sink"),
+])
+def test_bad_values_name_their_flag(raw, flag):
+    with pytest.raises(EvictionConfigError, match=flag):
+        EvictionConfig.from_dict(raw)
+
+
+def test_budget_below_one_block_is_refused():
+    cfg = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 64})
+    with pytest.raises(EvictionConfigError, match="--kv-budget.*below one KV block"):
+        cfg.check_block_size(128)
+    cfg.check_block_size(32)
+
+
+def test_units_and_defaults():
+    cfg = EvictionConfig.from_dict({"kv_eviction": "H2O", "kv_budget": "256"})
+    assert (cfg.policy, cfg.budget, cfg.recent_tokens(256, 1000)) == ("h2o", 256, 128)
+    frac = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": "20%", "kv_recent": 0.1})
+    assert frac.budget == pytest.approx(0.2)
+    assert frac.budget_tokens(1000, 32) == 200 and frac.recent_tokens(200, 1000) == 100
+    assert frac.budget_tokens(50, 32) == 32  # never below one block
+    assert not EvictionConfig.from_dict({}).enabled
+    assert EvictionConfig.from_dict(cfg.to_dict()) == cfg

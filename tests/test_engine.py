@@ -1,0 +1,91 @@
+"""The real engine: SmolLM2-135M through vLLM with the plugin, checked through
+vLLM's own block pool."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import PROMPTS, close, make_llm
+
+from vllm_kvevict.planner import max_blocks_per_request
+
+HERE = os.path.dirname(__file__)
+
+
+def greedy(max_tokens, **kw):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+def test_budget_above_length_is_token_identical_to_stock(model_path):
+    """Budget >= sequence length: no eviction, and the plugin's path (own KV write,
+    scoring) must not change a single token versus vLLM without the plugin."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "stock_generate.py"), model_path, "96", "32"],
+        input=json.dumps(PROMPTS), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stock = json.loads(proc.stdout.split("IDS=")[-1])
+    llm = make_llm(model_path, additional_config={"kv_eviction": "h2o", "kv_budget": 2048})
+    ours = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy(96))]
+    close(llm)
+    assert ours == stock
+
+
+@pytest.fixture(scope="module")
+def h2o_engine(model_path):
+    from vllm_kvevict.integration.probe import attach
+
+    llm = make_llm(model_path, max_num_batched_tokens=256, enable_prefix_caching=False,
+                   additional_config={"kv_eviction": "h2o", "kv_budget": 64})
+    yield llm, attach(llm)
+    close(llm)
+
+
+def _pool_is_whole(probe):
+    return probe.used_blocks() == 0
+
+
+def test_decode_blocks_stay_bounded_and_return_to_pool(h2o_engine):
+    """Long generations at budget 64 (block 32): each request holds at most
+    ceil((64+32)/32)+1 blocks according to vLLM's req_to_blocks, blocks really
+    go back to the BlockPool, and the pool is whole once the engine is idle."""
+    llm, probe = h2o_engine
+    outs = llm.generate(PROMPTS, greedy(300, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 300 for o in outs)
+    assert probe.max_blocks_per_request <= max_blocks_per_request(64, 32)
+    evicted = sum(m.num_tokens_evicted for m in probe.managers())
+    assert evicted >= len(PROMPTS) * 200
+    assert _pool_is_whole(probe)
+
+
+def test_chunked_prefill_of_a_prompt_longer_than_the_budget(h2o_engine):
+    """A 1,500-token prompt, prefilled in 256-token chunks with eviction between
+    chunks, never holds more than budget + one chunk (+ the partial block)."""
+    llm, probe = h2o_engine
+    probe.max_blocks_per_request = 0
+    text = open("/usr/share/common-licenses/GPL-3").read()
+    tok = llm.get_tokenizer()
+    ids = tok(text)["input_ids"][:1500]
+    out = llm.generate([{"prompt_token_ids": ids}], greedy(20))[0]
+    assert len(out.outputs[0].token_ids) == 20
+    assert probe.max_blocks_per_request <= -(-(64 + 256) // 32) + 1
+    assert _pool_is_whole(probe)
+
+
+def test_aborted_requests_free_everything(h2o_engine):
+    """Requests aborted mid-decode give every block back."""
+    llm, probe = h2o_engine
+    engine = llm.llm_engine
+    params = greedy(400, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"abort-{i}", prompt, params)
+    for _ in range(120):  # well past several compactions
+        engine.step()
+    assert probe.used_blocks() > 0
+    engine.abort_request([f"abort-{i}" for i in range(len(PROMPTS))])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert _pool_is_whole(probe)

@@ -1,0 +1,37 @@
+"""Selection rules of the policies and the planner, on plain tensors."""
+
+import torch
+
+from vllm_kvevict.config import EvictionConfig
+from vllm_kvevict.planner import compaction_target
+from vllm_kvevict.policies import H2OPolicy, StreamingPolicy
+
+
+def test_h2o_keeps_recent_window_plus_heaviest_per_head():
+    scores = torch.tensor([[5., 0., 9., 1., 3., 0., 0., 0.],
+                           [0., 7., 0., 6., 2., 0., 0., 0.]])
+    kept = H2OPolicy().select(scores, keep=5, recent=2)
+    assert kept.tolist() == [[0, 2, 4, 6, 7], [1, 3, 4, 6, 7]]
+
+
+def test_h2o_recent_tokens_kept_even_with_zero_score():
+    scores = torch.rand(3, 40)
+    scores[:, -8:] = 0
+    kept = H2OPolicy().select(scores, keep=16, recent=8)
+    assert (kept[:, -8:] == torch.arange(32, 40)).all()
+    assert (kept[:, :8].sort(dim=1).values == scores[:, :32].topk(8).indices.sort(dim=1).values).all()
+
+
+def test_streaming_keeps_exactly_sinks_and_recent():
+    kept = StreamingPolicy(sink=4).select(torch.rand(3, 100), keep=20, recent=0)
+    assert kept.tolist() == [list(range(4)) + list(range(84, 100))] * 3
+
+
+def test_planner_decode_and_chunk_boundaries():
+    cfg = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 64})
+    assert compaction_target(cfg, 95, 95, in_prefill=False, block_size=32) is None
+    assert compaction_target(cfg, 96, 500, in_prefill=False, block_size=32) == 64
+    assert compaction_target(cfg, 65, 65, in_prefill=True, block_size=32) == 64
+    assert compaction_target(cfg, 64, 64, in_prefill=True, block_size=32) is None
+    off = EvictionConfig.from_dict({"kv_eviction": "none"})
+    assert compaction_target(off, 10_000, 10_000, False, 32) is None
