@@ -112,6 +112,7 @@ class StepRecorder:
         self.preemptions = 0
         self.max_blocks_per_req = 0
         self.last_len: dict[str, tuple[int, int, int]] = {}  # rid -> (logical, physical, blocks)
+        self.stamps: list[float] = []  # perf_counter at each schedule() with work
 
     def _preempt(self, request, *args, **kwargs):
         self.preemptions += 1
@@ -120,6 +121,7 @@ class StepRecorder:
     def _schedule(self, *args, **kwargs):
         out = self._orig_schedule(*args, **kwargs)
         if out.total_num_scheduled_tokens > 0:
+            self.stamps.append(time.perf_counter())
             bp = self.block_pool
             # block 0 is vLLM's null block, never handed out
             self.blocks_used.append(bp.num_gpu_blocks - 1 - bp.get_num_free_blocks())
@@ -175,23 +177,14 @@ def run_config(cfg: dict) -> dict:
                          SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0),
                          use_tqdm=False)
             llm.reset_prefix_cache()
-        rec.reset()
-        comp0 = getattr(mgr, "num_compactions", 0)
-        ev0 = getattr(mgr, "num_tokens_evicted", 0)
-        load0 = os.getloadavg()
-
-        t1 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                            use_tqdm=False)
-        wall = time.perf_counter() - t1
-        load1 = os.getloadavg()
-
-        n_out = [len(o.outputs[0].token_ids) for o in outs]
-        finished = sum(o.finished and n == cfg["output_len"] for o, n in zip(outs, n_out))
-        out_tokens = sum(n_out)
-        logical = sum(v[0] for v in rec.last_len.values())
-        physical = sum(v[1] for v in rec.last_len.values())
-        steps = rec.steps
+        reps = []
+        for rep in range(cfg["repeats"]):
+            if rep:
+                llm.reset_prefix_cache()
+            reps.append(timed_generate(llm, rec, mgr, prompts, params, cfg))
+        # the repeat with the median throughput speaks for the configuration
+        order = sorted(range(len(reps)), key=lambda i: reps[i]["out_tok_s"])
+        median = reps[order[(len(order) - 1) // 2]]
         return {
             **cfg,
             "ok": True,
@@ -203,31 +196,62 @@ def run_config(cfg: dict) -> dict:
             "max_num_batched_tokens": scheduler.scheduler_config.max_num_batched_tokens,
             "prefix_caching": scheduler.cache_config.enable_prefix_caching,
             "init_s": init_s,
-            "wall_s": wall,
-            "finished": finished,
-            "requests": len(outs),
-            "output_tokens": out_tokens,
-            "prompt_tokens": sum(len(p) for p in prompts),
-            "out_tok_s": out_tokens / wall,
-            "steps": steps,
-            "ms_per_step": 1000 * wall / steps if steps else None,
-            "peak_blocks": max(rec.blocks_used, default=0),
-            "mean_blocks": sum(rec.blocks_used) / steps if steps else 0.0,
-            "peak_running": max(rec.running, default=0),
-            "mean_running": sum(rec.running) / steps if steps else 0.0,
-            "preemptions": rec.preemptions,
-            "max_blocks_per_request": rec.max_blocks_per_req,
-            "tokens_seen_end": logical,
-            "tokens_kept_end": physical,
-            "num_compactions": getattr(mgr, "num_compactions", 0) - comp0,
-            "num_tokens_evicted": getattr(mgr, "num_tokens_evicted", 0) - ev0,
-            "loadavg_before": load0,
-            "loadavg_after": load1,
-            "output_token_ids_head": [o.outputs[0].token_ids[:16] for o in outs[:4]],
+            **median,
+            "repeat_out_tok_s": [r["out_tok_s"] for r in reps],
+            "repeats_detail": [{k: v for k, v in r.items() if k != "output_token_ids"}
+                               for r in reps],
         }
     finally:
         del llm
         gc.collect()
+
+
+def timed_generate(llm, rec: StepRecorder, mgr, prompts, params, cfg) -> dict:
+    rec.reset()
+    comp0 = getattr(mgr, "num_compactions", 0)
+    ev0 = getattr(mgr, "num_tokens_evicted", 0)
+    load0 = os.getloadavg()
+    c1 = time.process_time()
+    t1 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - t1
+    cpu = time.process_time() - c1
+    load1 = os.getloadavg()
+    n_out = [len(o.outputs[0].token_ids) for o in outs]
+    finished = sum(o.finished and n == cfg["output_len"] for o, n in zip(outs, n_out))
+    out_tokens = sum(n_out)
+    logical = sum(v[0] for v in rec.last_len.values())
+    physical = sum(v[1] for v in rec.last_len.values())
+    steps = rec.steps
+    periods = sorted(b - a for a, b in zip(rec.stamps, rec.stamps[1:]))
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "finished": finished,
+        "requests": len(outs),
+        "output_tokens": out_tokens,
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "out_tok_s": out_tokens / wall,
+        "out_tok_per_cpu_s": out_tokens / cpu if cpu else None,
+        "steps": steps,
+        "ms_per_step": 1000 * wall / steps if steps else None,
+        "median_ms_per_step": 1000 * periods[len(periods) // 2] if periods else None,
+        "cpu_ms_per_step": 1000 * cpu / steps if steps else None,
+        "peak_blocks": max(rec.blocks_used, default=0),
+        "mean_blocks": sum(rec.blocks_used) / steps if steps else 0.0,
+        "peak_running": max(rec.running, default=0),
+        "mean_running": sum(rec.running) / steps if steps else 0.0,
+        "preemptions": rec.preemptions,
+        "max_blocks_per_request": rec.max_blocks_per_req,
+        "tokens_seen_end": logical,
+        "tokens_kept_end": physical,
+        "num_compactions": getattr(mgr, "num_compactions", 0) - comp0,
+        "num_tokens_evicted": getattr(mgr, "num_tokens_evicted", 0) - ev0,
+        "loadavg_before": load0,
+        "loadavg_after": load1,
+        # outs come back in prompt order
+        "output_token_ids": [list(o.outputs[0].token_ids) for o in outs],
+    }
 
 
 def run_in_subprocess(cfg: dict, verbose: bool) -> dict:
@@ -289,48 +313,87 @@ def stock_of(results: list[dict]) -> dict | None:
     return next((r for r in results if r["policy"] == "none" and r.get("ok")), None)
 
 
+def divergence(r: dict, stock: dict | None) -> float | None:
+    """Mean over requests of (first output position differing from stock) / output_len."""
+    if stock is None or not r.get("ok") or r is stock:
+        return None
+    fr = []
+    for a, b in zip(r["output_token_ids"], stock["output_token_ids"]):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        fr.append(n / max(1, len(b)))
+    return sum(fr) / len(fr) if fr else None
+
+
+def _kept(r: dict) -> str:
+    return (f"{r['tokens_kept_end']}/{r['tokens_seen_end']} "
+            f"({r['tokens_kept_end'] / max(1, r['tokens_seen_end']):.0%})")
+
+
+def _failed_row(r: dict, ncols: int) -> str:
+    budget = r["budget"] if r["policy"] != "none" else "-"
+    return f"| {r['policy']} | {budget} | FAILED: {r.get('error')} |" + " |" * (ncols - 3)
+
+
 def table_constrained(results: list[dict]) -> str:
     stock = stock_of(results)
-    head = ("| policy | budget | finished | out tok/s | speedup vs stock | peak blocks "
-            "| mean running | preemptions | max blocks/request | kept/seen tokens (end) |")
-    lines = [head, "|" + "---|" * 10]
+    cols = ["policy", "budget", "finished", "out tok/s", "speedup vs stock", "peak blocks",
+            "mean running", "preemptions", "max blocks/request", "kept/seen tokens (end)",
+            "out tok/CPU-s"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in results:
-        budget = r["budget"] if r["policy"] != "none" else "-"
         if not r.get("ok"):
-            lines.append(f"| {r['policy']} | {budget} | FAILED: {r.get('error')} |"
-                         + " |" * 7)
+            lines.append(_failed_row(r, len(cols)))
             continue
+        budget = r["budget"] if r["policy"] != "none" else "-"
         speed = r["out_tok_s"] / stock["out_tok_s"] if stock else None
-        kept = (f"{r['tokens_kept_end']}/{r['tokens_seen_end']} "
-                f"({r['tokens_kept_end'] / max(1, r['tokens_seen_end']):.0%})")
         lines.append(
             f"| {r['policy']} | {budget} | {r['finished']}/{r['requests']} "
             f"| {r['out_tok_s']:.1f} | {_fmt(speed, '.2f')}x "
             f"| {r['peak_blocks']}/{r['num_gpu_blocks'] - 1} | {r['mean_running']:.1f} "
-            f"| {r['preemptions']} | {r['max_blocks_per_request']} | {kept} |")
+            f"| {r['preemptions']} | {r['max_blocks_per_request']} | {_kept(r)} "
+            f"| {_fmt(r['out_tok_per_cpu_s'], '.1f')} |")
     return "\n".join(lines)
 
 
 def table_ample(results: list[dict]) -> str:
     stock = stock_of(results)
-    head = ("| policy | budget | finished | out tok/s | slowdown vs stock | ms/step "
-            "| mean running | preemptions | compactions | kept/seen tokens (end) |")
-    lines = [head, "|" + "---|" * 10]
+    cols = ["policy", "budget", "finished", "out tok/s", "slowdown vs stock",
+            "median ms/step", "CPU ms/step", "mean running", "preemptions", "compactions",
+            "kept/seen tokens (end)"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in results:
-        budget = r["budget"] if r["policy"] != "none" else "-"
         if not r.get("ok"):
-            lines.append(f"| {r['policy']} | {budget} | FAILED: {r.get('error')} |"
-                         + " |" * 7)
+            lines.append(_failed_row(r, len(cols)))
             continue
+        budget = r["budget"] if r["policy"] != "none" else "-"
         slow = (1 - r["out_tok_s"] / stock["out_tok_s"]) if stock else None
-        kept = (f"{r['tokens_kept_end']}/{r['tokens_seen_end']} "
-                f"({r['tokens_kept_end'] / max(1, r['tokens_seen_end']):.0%})")
         lines.append(
             f"| {r['policy']} | {budget} | {r['finished']}/{r['requests']} "
             f"| {r['out_tok_s']:.1f} | {_fmt(None if slow is None else 100 * slow, '+.1f')}% "
-            f"| {_fmt(r['ms_per_step'], '.1f')} | {r['mean_running']:.1f} "
-            f"| {r['preemptions']} | {r['num_compactions']} | {kept} |")
+            f"| {_fmt(r['median_ms_per_step'], '.1f')} | {_fmt(r['cpu_ms_per_step'], '.1f')} "
+            f"| {r['mean_running']:.1f} | {r['preemptions']} | {r['num_compactions']} "
+            f"| {_kept(r)} |")
     return "\n".join(lines)
+
+
+def notes(results: list[dict]) -> str:
+    stock = stock_of(results)
+    out = []
+    for r in results:
+        if not r.get("ok"):
+            continue
+        name = "stock" if r["policy"] == "none" else f"{r['policy']}@{r['budget']}"
+        d = divergence(r, stock)
+        reps = ", ".join(f"{v:.1f}" for v in r["repeat_out_tok_s"])
+        load = f"{r['loadavg_before'][0]:.1f}->{r['loadavg_after'][0]:.1f}"
+        out.append(f"- {name}: wall {r['wall_s']:.1f}s, {r['steps']} steps, "
+                   f"mean {_fmt(r['ms_per_step'], '.1f')} ms/step, CPU {r['cpu_s']:.1f}s, "
+                   f"tok/s per repeat [{reps}], 1-min load {load}, "
+                   f"{r['num_compactions']} compactions / {r['num_tokens_evicted']} tokens "
+                   f"evicted" + ("" if d is None else
+                                 f", same tokens as stock for {d:.0%} of each output "
+                                 f"(mean prefix)"))
+    return "\n".join(out)
 
 
 def plot(results_c: list[dict], results_a: list[dict], path: str) -> None:
@@ -387,6 +450,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ample-output-len", type=int, default=None, help="default 256")
     p.add_argument("--ample-pool-tokens", type=int, default=None,
                    help="pool for the memory-ample table (default 64*768+1024)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed generate() calls per constrained config (same engine); "
+                        "the one with median tok/s is reported (default 1)")
+    p.add_argument("--ample-repeats", type=int, default=1,
+                   help="same for the memory-ample configs (default 1)")
     p.add_argument("--skip-ample", action="store_true", help="only the constrained table")
     p.add_argument("--skip-constrained", action="store_true", help="only the ample table")
     p.add_argument("--no-warmup", action="store_true",
@@ -429,10 +497,11 @@ def configs(args, model: str) -> tuple[list[dict], list[dict]]:
     pol += [(p, b) for p in args.policies if p != "none" for b in args.budgets]
     constrained = [dict(common, table="constrained", policy=p, budget=b,
                         num_requests=args.num_requests, output_len=args.output_len,
-                        pool_tokens=args.pool_tokens) for p, b in pol]
+                        pool_tokens=args.pool_tokens, repeats=args.repeats) for p, b in pol]
     ample = [dict(common, table="ample", policy=p, budget=b,
                   num_requests=args.ample_requests, output_len=args.ample_output_len,
-                  pool_tokens=args.ample_pool_tokens) for p, b in pol]
+                  pool_tokens=args.ample_pool_tokens, repeats=args.ample_repeats)
+             for p, b in pol]
     if args.skip_constrained:
         constrained = []
     if args.skip_ample:
@@ -458,6 +527,7 @@ def main(argv=None) -> int:
           f"{len(constrained) + len(ample)} runs", file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
+    load_start = os.getloadavg()
     res_c = [run_one(c, args.same_process, args.verbose) for c in constrained]
     res_a = [run_one(c, args.same_process, args.verbose) for c in ample]
     total = time.perf_counter() - t0
@@ -468,7 +538,8 @@ def main(argv=None) -> int:
     print(f"host: {platform.node()}, {os.cpu_count()} CPUs, python {platform.python_version()}; "
           f"model {Path(args.model).name}, {args.dtype}, block {args.block_size}, "
           f"max_model_len {args.max_model_len}, enforce_eager, temperature 0, ignore_eos  ")
-    print(f"total wall time {total:.0f}s (shared machine: load averages per run are in --json)")
+    print(f"total wall time {total:.0f}s; 1-min load average at start "
+          f"{load_start[0]:.1f}, at end {os.getloadavg()[0]:.1f} (shared machine)")
     if res_c:
         r0 = constrained[0]
         blocks = math.ceil(r0["pool_tokens"] / r0["block_size"])
@@ -479,13 +550,14 @@ def main(argv=None) -> int:
         print(table_constrained(res_c))
         from vllm_kvevict.planner import max_blocks_per_request
 
-        extra = [f"{r['policy']}@{r['budget']}: decode bound "
-                 f"{max_blocks_per_request(r['budget'], r['block_size'])} blocks, prompt "
-                 f"{math.ceil(r['prompt_len'] / r['block_size'])} blocks, "
-                 f"{r['num_compactions']} compactions, {r['num_tokens_evicted']} tokens evicted"
-                 for r in res_c if r.get("ok") and r["policy"] != "none"]
-        if extra:
-            print("\n" + "; ".join(extra))
+        print("\n" + notes(res_c))
+        bounds = sorted({(r["budget"], max_blocks_per_request(r["budget"], r["block_size"]))
+                         for r in res_c if r["policy"] != "none"})
+        if bounds:
+            print("- plugin's decode bound on blocks/request (planner.max_blocks_per_request): "
+                  + ", ".join(f"budget {b}: {n}" for b, n in bounds)
+                  + f"; a {r0['prompt_len']}-token prompt alone needs "
+                  f"{math.ceil(r0['prompt_len'] / r0['block_size'])} blocks at prefill")
         print("\npeak blocks = max over steps of BlockPool.num_gpu_blocks - 1 - "
               "get_num_free_blocks(); mean running = mean len(Scheduler.running) over steps; "
               "preemptions = calls to Scheduler._preempt_request; max blocks/request = max "
@@ -497,6 +569,7 @@ def main(argv=None) -> int:
               f"({r0['prompt_len']} prompt + {r0['output_len']} generated) tokens, "
               f"pool {r0['pool_tokens']} tokens\n")
         print(table_ample(res_a))
+        print("\n" + notes(res_a))
         if any(r.get("ok") and r["preemptions"] for r in res_a):
             print("\nWARNING: preemptions in the 'ample' table; raise --ample-pool-tokens.")
     sys.stdout.flush()

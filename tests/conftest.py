@@ -34,5 +34,7 @@ def make_llm(model_path, **kwargs):
 
 
 def close(llm):
-    del llm
+    """Shut the engine down now. Leaving it to the garbage collector would tear
+    down vLLM's process-global parallel groups under the next engine."""
+    llm.llm_engine.engine_core.shutdown()
     gc.collect()

@@ -89,3 +89,49 @@ def test_aborted_requests_free_everything(h2o_engine):
     while engine.has_unfinished_requests():
         engine.step()
     assert _pool_is_whole(probe)
+
+
+def test_bad_settings_stop_engine_startup(model_path):
+    """Nothing half-configured: the engine refuses to start, naming the flag."""
+    from vllm_kvevict.config import EvictionConfigError
+
+    with pytest.raises(EvictionConfigError, match="--kv-eviction"):
+        make_llm(model_path, additional_config={"kv_eviction": "lru"})
+    with pytest.raises(EvictionConfigError, match="--kv-budget.*below one KV block"):
+        make_llm(model_path, additional_config={"kv_eviction": "h2o", "kv_budget": 16})
+
+
+def test_streaming_keeps_exactly_sinks_and_recent_and_prefix_caching_is_safe(model_path):
+    """StreamingLLM: after each compaction every (layer, head) holds exactly the
+    first 4 logical positions and the newest ones. With prefix caching on, two
+    requests sharing a long prompt produce the same tokens as with it off: shared
+    prompt blocks are never written in place by compaction."""
+    from vllm_kvevict.integration import worker as worker_mod
+
+    shared = open("/usr/share/common-licenses/GPL-3").read()[:1200]
+    prompts = [shared + "\nQuestion: what is this?", shared + "\nQuestion: who wrote it?"]
+    results = {}
+    for caching in (False, True):
+        llm = make_llm(model_path, enable_prefix_caching=caching,
+                       additional_config={"kv_eviction": "streaming", "kv_budget": 96})
+        state = worker_mod.worker_state()
+        state.record_kept = True
+        seen = []
+        compact = state._compact
+
+        def spy(plan, compact=compact, seen=seen, state=state):
+            compact(plan)
+            seen.append((plan, state.kept[plan.req_id].positions.clone()))
+
+        state._compact = spy
+        outs = []
+        for p in prompts:  # one after the other: the second hits the prefix cache
+            outs.append(list(llm.generate([p], greedy(120, ignore_eos=True))[0].outputs[0].token_ids))
+        results[caching] = outs
+        assert seen
+        for plan, kept in seen:
+            want = list(range(4)) + list(range(plan.logical_len - (plan.new_len - 4),
+                                               plan.logical_len))
+            assert (kept == __import__("torch").tensor(want)).all(), plan
+        close(llm)
+    assert results[True] == results[False]

@@ -45,7 +45,7 @@ def run(model: str, policy: str, args) -> dict:
                   kept=seen - evicted, seen=seen,
                   tok_s=sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed,
                   text=outputs[0].outputs[0].text)
-    del llm
+    llm.llm_engine.engine_core.shutdown()  # now, not whenever gc runs
     gc.collect()
     return result
 
