@@ -17,14 +17,19 @@ H2O's Algorithm 1 (Zhang et al. 2023, arXiv:2306.14048):
 
 What the reference shares with the plugin is only the *schedule* (when and to
 what size to evict), which is vLLM's block bookkeeping rather than H2O itself:
-before feeding the token at logical position L, if the resident count P is
->= budget + block_size, evict down to budget (see vllm_kvevict/planner.py).
-Scores are frozen during one eviction batch (the plugin evicts a block's worth
-of tokens at once). RoPE positions stay logical.
+before feeding the token at logical position L with P tokens resident, evict
+down to budget if P > budget (before a prompt chunk) or P >= budget + block_size
+(before a decode step); see vllm_kvevict/planner.py. Scores are frozen during
+one eviction batch (the plugin evicts a block's worth of tokens at once). RoPE
+positions stay logical.
 
 The vLLM half runs the plugin in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
 records the kept logical positions of every compaction, and the tests compare
-them, and the greedy tokens, with the reference.
+them, and the greedy tokens, with the reference: exact on this CPU in fp32.
+The last test is a strict xfail that documents a plugin bug (H2O scores under
+prefix caching).
+
+Run: python -m pytest benchmarks/h2o_reference_check.py -q   (~40 s here)
 """
 from __future__ import annotations
 
@@ -115,14 +120,22 @@ class DenseH2O:
         nl, hk, _ = self.resident.shape
         return self.resident.nonzero()[:, 2].view(nl, hk, -1)
 
+    def set_kept(self, kept: torch.Tensor) -> None:
+        self.resident.zero_()
+        self.resident.scatter_(2, kept, True)
+
 
 def h2o_generate(model, prompt: list[int], max_tokens: int, budget: int, recent: int,
-                 block_size: int, chunk: int | None = None):
+                 block_size: int, chunk: int | None = None, on_evict=None):
     """Greedy tokens and, per eviction, (logical_len, kept positions, scores before).
 
     The plugin's schedule (planner.py), checked before feeding position L with
     P tokens resident: between prompt chunks evict when P > budget, in decode
     when P >= budget + block_size; both evict down to `budget`.
+
+    on_evict(L, kept, scores) -> kept, if given, sees each eviction and may
+    overrule it (the test adopts the engine's choice between tied scores, so
+    one tie does not make every later step incomparable).
     """
     ref = DenseH2O(model, len(prompt) + max_tokens)
     evictions = []
@@ -131,7 +144,11 @@ def h2o_generate(model, prompt: list[int], max_tokens: int, budget: int, recent:
         if int(ref.resident[0, 0].sum()) > limit:
             scores = ref.score.clone()
             ref.evict(budget, recent)
-            evictions.append((L, ref.kept(), scores))
+            kept = ref.kept()
+            if on_evict is not None:
+                kept = on_evict(L, kept, scores)
+                ref.set_kept(kept)
+            evictions.append((L, kept, scores))
 
     chunk = chunk or len(prompt)
     for c0 in range(0, len(prompt), chunk):
@@ -200,7 +217,7 @@ def prompts(hf):
 def one_thread():
     """One intra-op thread for the reference and the engine. On this 2-core box,
     shared with other jobs, vLLM's default (one OMP thread bound to each core)
-    makes every op wait for a busy core: ~1 s per token instead of ~20 ms.
+    makes every op wait for a busy core: measured ~1 s per token instead of ~35 ms.
     torch._C.set_num_threads is what torch.set_num_threads is; vLLM's CPU
     worker replaces the latter with a no-op once an engine exists."""
     old = torch.get_num_threads()
@@ -271,8 +288,10 @@ def test_reference_without_eviction_is_the_hf_model(hf, prompts):
         theirs = model(torch.tensor([p])).logits[0, 39:]
     torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
     # H2O scores: every query's attention sums to 1 per query head.
+    cfg = model.config
     assert torch.allclose(ref.score.sum(dim=(1, 2)),
-                          torch.full((model.config.num_hidden_layers,), 9.0 * len(p),
+                          torch.full((cfg.num_hidden_layers,),
+                                     float(cfg.num_attention_heads * len(p)),
                                      dtype=torch.float64))
 
 
@@ -294,37 +313,46 @@ def test_h2o_matches_dense_reference(llm, hf, prompts, idx):
     prompt = prompts[idx]
     got_tokens, snaps, cached = _vllm_generate(llm, prompt, MAX_TOKENS)
     assert cached == 0
-    ref_tokens, evictions = h2o_generate(model, prompt, MAX_TOKENS, BUDGET, RECENT, BLOCK,
-                                         chunk=CHUNK)
-
-    # Same compaction schedule: one plan per reference eviction, same positions.
-    assert [p.logical_len for p, _ in snaps] == [L for L, _, _ in evictions]
     assert all(p.new_len == BUDGET for p, _ in snaps)
-    assert len(evictions) >= 2, "the test should exercise repeated compactions"
 
-    total = exact = ties = 0
+    counts = {"exact": 0, "differ": 0}
     report = []
-    for (plan, got), (L, want, scores) in zip(snaps, evictions):
+    engine = iter(snaps)
+
+    def compare(L, want, scores):
+        """Check the engine's kept sets at this eviction; adopt its tie-breaks."""
+        plan, got = next(engine, (None, None))
+        assert plan is not None, f"the reference evicts at L={L}, the engine did not"
+        assert plan.logical_len == L, f"engine compacted at {plan.logical_len}, reference at {L}"
         assert got.shape == want.shape, (got.shape, want.shape)
-        # The recent window: the last RECENT tokens fed before this step.
-        recent_from = L - RECENT
+        want = want.clone()
         for li in range(got.shape[0]):
             for h in range(got.shape[1]):
-                total += 1
-                if torch.equal(got[li, h], want[li, h]):
-                    exact += 1
-                elif _tie_explained(scores[li, h], want[li, h], got[li, h], recent_from):
-                    ties += 1
+                g, w = got[li, h], want[li, h]
+                if torch.equal(g, w):
+                    counts["exact"] += 1
+                    continue
+                counts["differ"] += 1
+                if _tie_explained(scores[li, h], w, g, L - RECENT):
+                    want[li, h] = g
                 else:
-                    report.append(f"L={L} layer {li} head {h}: vLLM-only "
-                                  f"{sorted(set(got[li, h].tolist()) - set(want[li, h].tolist()))}"
-                                  f" ref-only "
-                                  f"{sorted(set(want[li, h].tolist()) - set(got[li, h].tolist()))}")
-    print(f"\nprompt {idx}: {len(prompt)} tokens, compactions at L={[L for L, _, _ in evictions]}, "
-          f"{exact}/{total} (layer, head) kept sets exact, {ties} ties, "
-          f"{len(report)} unexplained; tokens equal: {got_tokens == ref_tokens}")
+                    report.append(f"L={L} layer {li} head {h}: engine-only "
+                                  f"{sorted(set(g.tolist()) - set(w.tolist()))} reference-only "
+                                  f"{sorted(set(w.tolist()) - set(g.tolist()))}")
+        return want
+
+    ref_tokens, evictions = h2o_generate(model, prompt, MAX_TOKENS, BUDGET, RECENT, BLOCK,
+                                         chunk=CHUNK, on_evict=compare)
+    ties = counts["differ"] - len(report)
+    total = counts["exact"] + counts["differ"]
+    print(f"\nprompt {idx}: {len(prompt)} tokens, compactions at "
+          f"L={[L for L, _, _ in evictions]}, {counts['exact']}/{total} (layer, head) kept "
+          f"sets exact, {ties} ties, {len(report)} unexplained; "
+          f"tokens equal: {got_tokens == ref_tokens}")
+    assert [p.logical_len for p, _ in snaps] == [L for L, _, _ in evictions]
+    assert len(evictions) >= 2, "the test should exercise repeated compactions"
     assert not report, "\n".join(report[:20])
-    assert exact >= 0.99 * total, (exact, ties, total)
+    assert counts["exact"] >= 0.99 * total, counts
     first_diff = next((i for i, (a, b) in enumerate(zip(got_tokens, ref_tokens)) if a != b),
                       None)
     assert got_tokens == ref_tokens, f"first differing generated token: {first_diff}"

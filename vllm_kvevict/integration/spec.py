@@ -62,6 +62,7 @@ class EvictableAttentionManager(FullAttentionManager):
         self.cfg = kv_cache_spec.eviction_config
         self.evicted: dict[str, int] = {}  # req_id -> logical - physical
         self.pending: list[CompactionPlan] = []
+        self.scores_needed = self.cfg.policy == "h2o"
         self.num_compactions = 0
         self.num_tokens_evicted = 0
 
@@ -86,6 +87,11 @@ class EvictableAttentionManager(FullAttentionManager):
     def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
         # Once compacted, a request's blocks no longer hold its token prefix:
         # registering them for prefix caching would serve wrong KV to others.
+        # Under a scoring policy, scores live per physical slot: a shared prefix
+        # block would carry another request's accumulated attention. So H2O
+        # registers nothing (no prefix hits); streaming shares prompts freely.
+        if self.scores_needed:
+            return
         if self.evicted.get(request.request_id, 0) == 0:
             super().cache_blocks(request, num_tokens, *args, **kwargs)
 
