@@ -7,8 +7,9 @@ Two tables, every configuration in one run:
    preempt / queue; eviction keeps each request near its budget, so more run
    at once. Reports output tok/s, speedup vs stock, and vLLM's own block
    accounting (peak blocks in use, running requests, preemptions).
-2. "memory ample": a pool large enough that nothing is preempted, so the only
-   difference from stock is the per-step cost of scoring + compaction.
+2. "memory ample": a pool large enough that nothing is preempted, so what
+   differs from stock is the per-step cost of scoring + compaction (and the
+   cheaper attention over fewer resident tokens).
 
 Every number about blocks, running requests and preemptions is read from
 vLLM's own scheduler objects (BlockPool, Scheduler.running, KV manager
@@ -113,6 +114,7 @@ class StepRecorder:
         self.max_blocks_per_req = 0
         self.last_len: dict[str, tuple[int, int, int]] = {}  # rid -> (logical, physical, blocks)
         self.stamps: list[float] = []  # perf_counter at each schedule() with work
+        self.req_max: dict[str, dict] = {}  # rid -> state when it held the most blocks
 
     def _preempt(self, request, *args, **kwargs):
         self.preemptions += 1
@@ -135,13 +137,51 @@ class StepRecorder:
                 if nb > self.max_blocks_per_req:
                     self.max_blocks_per_req = nb
                 logical = req.num_computed_tokens  # includes tokens scheduled this step
-                self.last_len[rid] = (logical, logical - evicted.get(rid, 0), nb)
+                physical = logical - evicted.get(rid, 0)
+                self.last_len[rid] = (logical, physical, nb)
+                if nb > self.req_max.get(rid, {}).get("blocks", -1):
+                    self.req_max[rid] = {
+                        "req": rid, "blocks": nb, "step": self.steps, "logical": logical,
+                        "physical": physical, "prompt": req.num_prompt_tokens,
+                        "scheduled_now": out.num_scheduled_tokens.get(rid, 0),
+                        "num_preemptions": req.num_preemptions}
         return out
+
+
+def plugin_fingerprint() -> str:
+    """Short hash of the plugin's source as this process imported it (the
+    working tree may change under a long run: this makes that visible)."""
+    import hashlib
+
+    import vllm_kvevict
+
+    h = hashlib.sha1()
+    root = Path(vllm_kvevict.__file__).resolve().parent.parent
+    for sub in ("vllm_kvevict", "patches"):
+        for f in sorted((root / sub).rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:10]
+
+
+def git_head() -> str | None:
+    try:
+        root = Path(__file__).resolve().parent.parent
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--",
+                                "vllm_kvevict", "patches"], capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+        return head + ("+dirty" if dirty else "") if head else None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def run_config(cfg: dict) -> dict:
     """Build one engine, generate, return measurements (plain JSON types)."""
     from vllm import LLM, SamplingParams
+
+    source = {"plugin_sha1": plugin_fingerprint(), "git_head": git_head()}
 
     t0 = time.perf_counter()
     blocks = math.ceil(cfg["pool_tokens"] / cfg["block_size"])
@@ -195,9 +235,12 @@ def run_config(cfg: dict) -> dict:
             "max_num_batched_tokens": scheduler.scheduler_config.max_num_batched_tokens,
             "prefix_caching": scheduler.cache_config.enable_prefix_caching,
             "init_s": init_s,
+            **source,
+            "plugin_sha1_after": plugin_fingerprint(),
             **best,
             "repeat_out_tok_s": [r["out_tok_s"] for r in reps],
-            "repeats_detail": [{k: v for k, v in r.items() if k != "output_token_ids"}
+            "repeats_detail": [{k: v for k, v in r.items() if k not in
+                                ("output_token_ids", "blocks_trace", "running_trace")}
                                for r in reps],
         }
     finally:
@@ -240,8 +283,12 @@ def timed_generate(llm, rec: StepRecorder, mgr, prompts, params, cfg) -> dict:
         "mean_blocks": sum(rec.blocks_used) / steps if steps else 0.0,
         "peak_running": max(rec.running, default=0),
         "mean_running": sum(rec.running) / steps if steps else 0.0,
+        "blocks_trace": rec.blocks_used,  # per step, vLLM's BlockPool
+        "running_trace": rec.running,  # per step, len(Scheduler.running)
         "preemptions": rec.preemptions,
         "max_blocks_per_request": rec.max_blocks_per_req,
+        # the requests that held the most blocks, and their state at that step
+        "max_blocks_detail": sorted(rec.req_max.values(), key=lambda d: -d["blocks"])[:5],
         "tokens_seen_end": logical,
         "tokens_kept_end": physical,
         "num_compactions": getattr(mgr, "num_compactions", 0) - comp0,
@@ -532,11 +579,21 @@ def main(argv=None) -> int:
     total = time.perf_counter() - t0
 
     cmd = " ".join([os.path.relpath(sys.executable)] + sys.argv)
+    shas = {(r.get("plugin_sha1"), r.get("plugin_sha1_after")) for r in res_c + res_a
+            if r.get("ok")}
+    code_note = ", ".join(sorted({f"{r['policy']}:{r.get('git_head')}/{r.get('plugin_sha1')}"
+                                  for r in res_c + res_a if r.get("ok")}))
     print(f"\n## KV eviction throughput ({'quick' if args.quick else 'full'})\n")
     print(f"command: `{cmd}`  ")
     print(f"host: {platform.node()}, {os.cpu_count()} CPUs, python {platform.python_version()}; "
           f"model {Path(args.model).name}, {args.dtype}, block {args.block_size}, "
           f"max_model_len {args.max_model_len}, enforce_eager, temperature 0, ignore_eos  ")
+    if len({x for pair in shas for x in pair}) > 1:
+        print("**WARNING: the plugin source changed during this run; rows were measured "
+              f"against different code** (policy:git/sha1: {code_note})  ")
+    else:
+        print(f"plugin source: git {next(iter(res_c + res_a), {}).get('git_head')}, "
+              f"sha1 {next(iter(shas), (None,))[0]}  ")
     print(f"total wall time {total:.0f}s; 1-min load average at start "
           f"{load_start[0]:.1f}, at end {os.getloadavg()[0]:.1f} (shared machine)")
     if res_c:

@@ -117,10 +117,11 @@ class EvictableAttentionManager(FullAttentionManager):
         old_blocks = cdiv(physical, self.block_size)
         keep_blocks = cdiv(target, self.block_size)
         src = blocks[:old_blocks]
-        # Blocks another request reads, or the prefix cache may hand out, are
-        # never written in place: compaction writes a private block instead.
-        shared = [i for i in range(keep_blocks)
-                  if src[i].ref_cnt > 1 or src[i].block_hash is not None]
+        # A block another request reads is never written in place: compaction
+        # writes a private block instead. A prefix-cached block only we hold is
+        # taken out of the prefix cache and compacted in place, so the first
+        # compaction needs no extra blocks even when the pool is full.
+        shared = [i for i in range(keep_blocks) if src[i].ref_cnt > 1]
         tail = blocks[keep_blocks:]
         freeable = sum(b.ref_cnt == 1 for b in tail)
         if len(shared) > self.block_pool.get_num_free_blocks() + freeable:
@@ -128,6 +129,9 @@ class EvictableAttentionManager(FullAttentionManager):
         # Free the tail (newest first, like vLLM's free()), then swap shared blocks.
         del blocks[keep_blocks:]
         self.block_pool.free_blocks(reversed(tail))
+        for blk in blocks[:keep_blocks]:
+            if blk.ref_cnt == 1 and blk.block_hash is not None:
+                self.block_pool._maybe_evict_cached_block(blk)
         if shared:
             fresh = self.block_pool.get_new_blocks(len(shared))
             for i, blk in zip(shared, fresh):
