@@ -27,6 +27,7 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 from vllm_kvevict.config import EvictionConfig
 from vllm_kvevict.integration.plans import CompactionPlan
 from vllm_kvevict.planner import compaction_target
+from vllm_kvevict.policies import make_policy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +63,7 @@ class EvictableAttentionManager(FullAttentionManager):
         self.cfg = kv_cache_spec.eviction_config
         self.evicted: dict[str, int] = {}  # req_id -> logical - physical
         self.pending: list[CompactionPlan] = []
-        self.scores_needed = self.cfg.policy == "h2o"
+        self.scores_needed = make_policy(self.cfg.policy, self.cfg.sink).needs_scores
         self.num_compactions = 0
         self.num_tokens_evicted = 0
 
@@ -87,8 +88,8 @@ class EvictableAttentionManager(FullAttentionManager):
     def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
         # Once compacted, a request's blocks no longer hold its token prefix:
         # registering them for prefix caching would serve wrong KV to others.
-        # Under a scoring policy, scores live per physical slot: a shared prefix
-        # block would carry another request's accumulated attention. So H2O
+        # Under a scoring policy (H2O), scores live per physical slot: a shared
+        # prefix block would carry another request's accumulated attention. So it
         # registers nothing (no prefix hits); streaming shares prompts freely.
         if self.scores_needed:
             return
