@@ -30,7 +30,9 @@ def apply() -> None:
         if managers:
             step = EvictionStep()
             for m in managers:
-                step.plans.extend(m.take_plans())
+                plans, released = m.take_plans()
+                step.plans.extend(plans)
+                step.released.extend(released)
                 step.evicted.update({r: n for r, n in m.evicted.items() if n})
             setattr(output, STEP_ATTR, step)
         return output

@@ -135,3 +135,44 @@ def test_streaming_keeps_exactly_sinks_and_recent_and_prefix_caching_is_safe(mod
             assert (kept == __import__("torch").tensor(want)).all(), plan
         close(llm)
     assert results[True] == results[False]
+
+
+def _h2o_kept_sets(model_path, defer: bool):
+    """Greedy tokens and every compaction's kept positions under H2O."""
+    from vllm_kvevict.integration import worker as worker_mod
+
+    llm = make_llm(model_path, enable_prefix_caching=False,
+                   additional_config={"kv_eviction": "h2o", "kv_budget": 64})
+    state = worker_mod.worker_state()
+    state.record_kept = True
+    if not defer:
+        state.place_decode_queries = lambda *args: None  # score every step at once
+    kept = []
+    compact = state._compact
+
+    def spy(plan):
+        compact(plan)
+        index = int(plan.req_id.split("-")[0])  # vLLM ids: "<index>-<random suffix>"
+        kept.append((index, plan.logical_len, state.kept[plan.req_id].positions.clone()))
+
+    state._compact = spy
+    outs = [list(o.outputs[0].token_ids)
+            for o in llm.generate(PROMPTS, greedy(160, ignore_eos=True))]
+    close(llm)
+    return outs, sorted(kept, key=lambda k: (k[0], k[1]))
+
+
+def test_deferred_decode_scoring_equals_scoring_every_step(model_path):
+    """The CPU path scores decode queries up to 16 steps at a time (DecodeQueryLog).
+    It must keep the same tokens, per layer and KV head, as scoring each step's
+    queries at once, through every compaction of a batch, and generate the same text."""
+    import torch
+
+    outs_d, kept_d = _h2o_kept_sets(model_path, defer=True)
+    outs_e, kept_e = _h2o_kept_sets(model_path, defer=False)
+    assert len(kept_d) == len(kept_e) >= len(PROMPTS) * 3
+    for (rd, ld, pd), (re_, le, pe) in zip(kept_d, kept_e):
+        assert (rd, ld) == (re_, le)
+        same = (pd.sort(dim=-1).values == pe.sort(dim=-1).values).all(dim=-1)
+        assert same.float().mean() > 0.99, (rd, ld)  # float summation order aside
+    assert outs_d == outs_e

@@ -136,6 +136,9 @@ def test_reads_match_stock_writer(isa, dtype, bs, d, h, path):
     want = lambda dense, m: dense[table[:, :m].long()].transpose(1, 2).flatten(2, 3)  # noqa: E731
     assert torch.equal(L.gather_keys(kc, table), want(dense_k, 3))
     assert torch.equal(L.gather_values(vc, table, 2), want(dense_v, 2))
+    kt = L.gather_keys_t(kc, table, 3)
+    assert kt.dtype == torch.float32
+    assert torch.equal(kt, want(dense_k, 3).transpose(2, 3).float())
     for view, dense in ((L.keys_view(kc), dense_k), (L.values_view(vc), dense_v)):
         if view is not None:  # must alias the cache, not copy it
             assert view.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr()

@@ -108,6 +108,17 @@ class KVLayout:
         return cls(isa, dtype, block_size, head_size, num_kv_heads, km, vm,
                    _fit_tiles(km), _fit_tiles(vm))
 
+    @staticmethod
+    def split(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's cache -> (key_cache, value_cache); see ``split_kv_cache``."""
+        return split_kv_cache(kv_cache)
+
+    @classmethod
+    def for_cache(cls, kv_cache: torch.Tensor, isa: str) -> "KVLayout":
+        """The layout of a CPU backend layer cache ``[NB, H, BS, 2*D]``."""
+        _, h, bs, d2 = kv_cache.shape
+        return cls.discover(isa, kv_cache.dtype, bs, d2 // 2, h)
+
     # -- strided views ---------------------------------------------------
     def _view6(self, cache: torch.Tensor, tiles) -> torch.Tensor:
         """``[NB, H, BS/T0, T0, D/D0, D0]`` zero-copy view of ``cache``."""
@@ -194,6 +205,24 @@ class KVLayout:
         (a fresh tensor in logical token order; padded table entries read
         whatever block they name, so mask by seq_lens)."""
         return self._gather(key_cache, self.k_tiles, self.k_map, block_table, num_blocks)
+
+    def gather_keys_t(self, key_cache, block_table, num_blocks,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Keys transposed, ``[B, H, D, num_blocks*BS]`` in ``dtype``, ready for
+        ``q @ K^T``. For the ``vec`` layout (K stored ``[D][BS]`` per block) this
+        copies runs of BS contiguous elements instead of transposing every
+        element, and casts in the same pass (measured 0.26 ms vs 0.53 ms for
+        ``gather_keys().float()`` at 32 requests x 192 tokens, bf16)."""
+        if self.k_tiles is None:
+            return self.gather_keys(key_cache, block_table, num_blocks).transpose(2, 3).to(dtype)
+        bt = block_table[:, :num_blocks].long()
+        b, nblk = bt.shape
+        raw = key_cache.flatten(2).index_select(0, bt.flatten()).view(b * nblk, *key_cache.shape[1:])
+        v6 = self._view6(raw, self.k_tiles).unflatten(0, (b, nblk))  # B,n,H,t1,t0,d1,d0
+        v = v6.permute(0, 2, 5, 6, 1, 3, 4)  # B,H,d1,d0,n,t1,t0
+        out = torch.empty(v.shape, dtype=dtype, device=key_cache.device)
+        out.copy_(v)
+        return out.view(b, self.num_kv_heads, self.head_size, nblk * self.block_size)
 
     def gather_values(self, value_cache, block_table, num_blocks=None) -> torch.Tensor:
         """Same as ``gather_keys`` for values."""

@@ -31,7 +31,9 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm_kvevict.config import EvictionConfig
 from vllm_kvevict.integration.scores import accumulate_scores
 from vllm_kvevict.integration.worker import init_worker_state, worker_state
-from vllm_kvevict.kv_layout import split_kv_cache
+from vllm_kvevict.kv_layout import KVLayout
+
+PLACEMENT_ATTR = "kvevict_decode_placement"  # set on the step's attention metadata
 
 
 def eviction_config(vllm_config=None) -> EvictionConfig:
@@ -46,11 +48,12 @@ def physical_view(cm, evicted: torch.Tensor, block_size: int):
     New tokens of row i occupy physical positions [S_i - q_i, S_i).
     """
     num_reqs, n = cm.num_reqs, cm.num_actual_tokens
-    seq = cm.seq_lens[:num_reqs] - evicted
+    dev = cm.seq_lens.device
+    seq = cm.seq_lens[:num_reqs] - evicted.to(dev)
     qsl = cm.query_start_loc[: num_reqs + 1].long()
     q_lens = qsl[1:] - qsl[:-1]
-    row = torch.repeat_interleave(torch.arange(num_reqs), q_lens)
-    pos = (seq.long() - q_lens)[row] + torch.arange(n) - qsl[:-1][row]
+    row = torch.repeat_interleave(torch.arange(num_reqs, device=dev), q_lens)
+    pos = (seq.long() - q_lens)[row] + torch.arange(n, device=dev) - qsl[:-1][row]
     slots = cm.block_table_tensor[row, pos // block_size].long() * block_size + pos % block_size
     slot_mapping = cm.slot_mapping.clone()
     slot_mapping[:n] = slots
@@ -67,11 +70,16 @@ class EvictingCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         cm = common_attn_metadata
-        if self.state is not None:
-            evicted = self.state.evicted_per_row(cm.num_reqs)
-            if evicted is not None:
-                cm = physical_view(cm, evicted, self.block_size)
-        return super().build(common_prefix_len, cm, fast_build)
+        if self.state is None:
+            return super().build(common_prefix_len, cm, fast_build)
+        evicted = self.state.evicted_per_row(cm.num_reqs)
+        if evicted is not None:
+            cm = physical_view(cm, evicted, self.block_size)
+        metadata = super().build(common_prefix_len, cm, fast_build)
+        placement = self.state.place_decode_queries(cm.num_reqs, cm.query_start_loc_cpu,
+                                                    cm.seq_lens[: cm.num_reqs].cpu())
+        setattr(metadata, PLACEMENT_ATTR, placement)
+        return metadata
 
 
 class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -99,16 +107,19 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata,
                               output, output_scale, output_block_scale)
         state = worker_state()
-        if (state is not None and state.policy.needs_scores
-                and self.attn_type == AttentionType.DECODER):
-            lc = state.layer(layer.layer_name, kv_cache, layer.isa)
-            key_cache, _ = split_kv_cache(kv_cache)
+        if state is None or self.attn_type != AttentionType.DECODER:
+            return out
+        lc = state.layer(layer.layer_name, kv_cache,
+                         lambda kv: KVLayout.for_cache(kv, layer.isa))
+        if state.policy.needs_scores:
+            placement = getattr(attn_metadata, PLACEMENT_ATTR, None)
+            if placement is not None:  # decode queries wait in the log
+                state.decode_log.record(layer.layer_name, query[:n], placement, self.scale)
+            key_cache, _ = lc.layout.split(kv_cache)
             accumulate_scores(lc.scores, lc.layout, key_cache, query[:n],
                               attn_metadata.query_start_loc, attn_metadata.seq_lens,
                               attn_metadata.block_table, attn_metadata.slot_mapping,
-                              self.scale)
-        elif state is not None and self.attn_type == AttentionType.DECODER:
-            state.layer(layer.layer_name, kv_cache, layer.isa)
+                              self.scale, decode=placement is None)
         return out
 
 

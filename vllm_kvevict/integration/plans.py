@@ -39,3 +39,6 @@ class EvictionStep:
     # req_id -> logical - physical tokens, for every request that has evicted.
     # Authoritative each step, so workers keep no offset state of their own.
     evicted: dict[str, int] = field(default_factory=dict)
+    # Requests whose blocks went back to the pool since the last step (finished,
+    # aborted, preempted): workers must stop reading those blocks for them.
+    released: list[str] = field(default_factory=list)

@@ -1,80 +1,89 @@
 """H2O score accumulation over the paged cache: the plain-torch path.
 
-For every query token of a request, softmax(q K^T * scale) over the request's
-resident keys (causal within the chunk), summed over the query heads of each
-KV head's GQA group and over the queries, is added to the score of the slot
-each key lives in:
+For every query token of a request, softmax(q K^T * scale) over the keys it
+can see (the request's resident keys, causal within a prefill chunk), summed
+over the query heads of each KV head's GQA group and over the queries, is added
+to the score of the slot each key lives in:
 
     scores: (H_kv, num_blocks * BS)  float32, updated in place
-    query:  (num_tokens, H_q, D)     this step's queries (new tokens only)
 
-Decode rows (one query) are batched into one gather + einsum; prefill chunks
-run per request in query tiles to bound memory.
+`score_queries` is the one kernel: R requests x Q queries each, against one
+gather of each request's keys. Prefill chunks call it per request; decode
+queries call it either at once (`accumulate_scores`) or, on CPU, in batches of
+up to 16 steps through `DecodeQueryLog` (the gather dominates the cost of one
+decode query, so scoring several against one gather is far cheaper).
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm_kvevict.kv_layout import KVLayout
-
-_QUERY_TILE = 256
-
-
-def _row_slots(block_row: torch.Tensor, n: int, bs: int) -> torch.Tensor:
-    j = torch.arange(n)
-    return block_row[j // bs].long() * bs + j % bs
+# Bound the (R, H, Q*G, M) float32 logits of one tile to about 64 MB.
+_TILE_ELEMENTS = 1 << 24
 
 
-def accumulate_scores(scores: torch.Tensor, layout: KVLayout, key_cache: torch.Tensor,
+def score_queries(scores: torch.Tensor, layout, key_cache: torch.Tensor,
+                  queries: torch.Tensor, visible: torch.Tensor,
+                  block_rows: torch.Tensor, scale: float) -> None:
+    """Add each query's attention over its visible keys into their slots.
+
+    queries:    (R, Q, H_q, D) any float dtype
+    visible:    (R, Q) int64; query (r, t) sees physical positions
+                [0, visible[r, t]); 0 marks padding, which adds nothing
+    block_rows: (R, nblk) block ids covering max(visible[r]) tokens of row r
+    """
+    bs, h = layout.block_size, layout.num_kv_heads
+    r, nq, hq, d = queries.shape
+    g = hq // h
+    dev = scores.device
+    visible = visible.to(dev, torch.int64)
+    kt = layout.gather_keys_t(key_cache, block_rows, block_rows.shape[1])  # (R, H, D, M)
+    m = kt.shape[-1]
+    pos = torch.arange(m, device=dev)
+    # Padding sees key 0 (a finite softmax) and is then weighted by 0.
+    hidden = pos >= visible.clamp(min=1)[..., None]  # (R, Q, M)
+    weight = (visible > 0).to(torch.float32)
+    acc = torch.zeros(h, r, m, device=dev)
+    tile = max(1, _TILE_ELEMENTS // max(1, r * hq * m))
+    for t0 in range(0, nq, tile):
+        q = queries[:, t0:t0 + tile].to(torch.float32) * scale
+        t = q.shape[1]
+        q = q.view(r, t, h, g, d).permute(0, 2, 1, 3, 4).reshape(r, h, t * g, d)
+        logits = torch.matmul(q, kt).view(r, h, t, g, m)
+        logits.masked_fill_(hidden[:, None, t0:t0 + t, None, :], float("-inf"))
+        probs = logits.softmax(dim=-1).sum(dim=3)  # (R, H, T, M)
+        acc += torch.einsum("rhtm,rt->hrm", probs, weight[:, t0:t0 + t])
+    reach = pos[None, :] < visible.max(dim=1).values[:, None]  # (R, M)
+    slots = block_rows[:, pos // bs].to(dev, torch.int64) * bs + pos % bs
+    scores.index_add_(1, slots[reach], acc[:, reach])
+
+
+def accumulate_scores(scores: torch.Tensor, layout, key_cache: torch.Tensor,
                       query: torch.Tensor, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, block_table: torch.Tensor,
-                      slot_mapping: torch.Tensor, scale: float) -> None:
-    bs = layout.block_size
+                      slot_mapping: torch.Tensor, scale: float,
+                      decode: bool = True) -> None:
+    """Score one step's queries from attention metadata (physical seq_lens).
+
+    query: (num_tokens, H_q, D) this step's new tokens. decode=False leaves the
+    single-query rows to a `DecodeQueryLog`.
+    """
     num_tokens = query.shape[0]
     # New tokens start with zero importance, whatever the slot held before.
     scores[:, slot_mapping[:num_tokens].long()] = 0.0
-    qsl = query_start_loc.long()
+    qsl = query_start_loc.long().cpu()
     q_lens = qsl[1:] - qsl[:-1]
-    seq = seq_lens.long()
-    decode = torch.nonzero(q_lens == 1).flatten()
-    if decode.numel():
-        _decode(scores, layout, key_cache, query, qsl[decode], seq[decode],
-                block_table[decode], scale)
+    seq = seq_lens[: len(q_lens)].long().cpu()
+    if decode:
+        rows = torch.nonzero(q_lens == 1).flatten()
+        if rows.numel():
+            nblk = -(-int(seq[rows].max()) // layout.block_size)
+            score_queries(scores, layout, key_cache, query[qsl[rows].to(query.device)][:, None],
+                          seq[rows, None], block_table[rows.to(block_table.device), :nblk],
+                          scale)
     for i in torch.nonzero(q_lens > 1).flatten().tolist():
-        _prefill(scores, layout, key_cache, query[qsl[i]:qsl[i + 1]], int(seq[i]),
-                 block_table[i], scale)
-
-
-def _decode(scores, layout, key_cache, query, q_idx, seq, block_table, scale) -> None:
-    bs, h = layout.block_size, layout.num_kv_heads
-    nblk = int((seq.max() + bs - 1) // bs)
-    keys = layout.gather_keys(key_cache, block_table, nblk).float()  # (B, H, M, D)
-    b, _, m, d = keys.shape
-    q = query[q_idx].float().view(b, h, -1, d)  # (B, H, G, D)
-    logits = torch.einsum("bhgd,bhmd->bhgm", q, keys) * scale
-    pos = torch.arange(m)
-    logits.masked_fill_((pos[None, :] >= seq[:, None])[:, None, None, :], float("-inf"))
-    probs = logits.softmax(dim=-1).sum(dim=2)  # (B, H, M)
-    slots = block_table[:, pos // bs].long() * bs + pos % bs  # (B, M)
-    valid = pos[None, :] < seq[:, None]
-    flat = slots[valid]  # every (request, token) slot is distinct
-    scores[:, flat] += probs.permute(1, 0, 2)[:, valid]
-
-
-def _prefill(scores, layout, key_cache, q, seq_len, block_row, scale) -> None:
-    bs, h = layout.block_size, layout.num_kv_heads
-    nblk = (seq_len + bs - 1) // bs
-    keys = layout.gather_keys(key_cache, block_row[None], nblk)[0, :, :seq_len].float()
-    n, _, d = q.shape
-    q = q.float().view(n, h, -1, d)
-    start = seq_len - n  # physical position of the first query
-    acc = torch.zeros(h, seq_len)
-    kpos = torch.arange(seq_len)
-    for t0 in range(0, n, _QUERY_TILE):
-        qt = q[t0:t0 + _QUERY_TILE]  # (T, H, G, D)
-        logits = torch.einsum("thgd,hmd->hgtm", qt, keys) * scale
-        qpos = start + t0 + torch.arange(qt.shape[0])
-        logits.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
-        acc += logits.softmax(dim=-1).sum(dim=(1, 2))
-    scores[:, _row_slots(block_row, seq_len, bs)] += acc
+        n, s = int(q_lens[i]), int(seq[i])
+        nblk = -(-s // layout.block_size)
+        visible = torch.arange(s - n + 1, s + 1)[None]  # causal within the chunk
+        score_queries(scores, layout, key_cache, query[qsl[i]:qsl[i + 1]][None],
+                      visible, block_table[i:i + 1, :nblk], scale)

@@ -63,6 +63,7 @@ class EvictableAttentionManager(FullAttentionManager):
         self.cfg = kv_cache_spec.eviction_config
         self.evicted: dict[str, int] = {}  # req_id -> logical - physical
         self.pending: list[CompactionPlan] = []
+        self.released: list[str] = []  # freed since the last take_plans()
         self.scores_needed = make_policy(self.cfg.policy, self.cfg.sink).needs_scores
         self.num_compactions = 0
         self.num_tokens_evicted = 0
@@ -99,6 +100,7 @@ class EvictableAttentionManager(FullAttentionManager):
     def pop_blocks_for_free(self, request_id: str):
         self.evicted.pop(request_id, None)
         self.pending = [p for p in self.pending if p.req_id != request_id]
+        self.released.append(request_id)
         return super().pop_blocks_for_free(request_id)
 
     # --- eviction -------------------------------------------------------------
@@ -148,9 +150,11 @@ class EvictableAttentionManager(FullAttentionManager):
             dst_block_ids=tuple(b.block_id for b in blocks[:keep_blocks]),
             old_len=physical, new_len=target, logical_len=logical))
 
-    def take_plans(self) -> list[CompactionPlan]:
+    def take_plans(self) -> tuple[list[CompactionPlan], list[str]]:
+        """This step's compaction plans and the requests released since the last."""
         plans, self.pending = self.pending, []
-        return plans
+        released, self.released = self.released, []
+        return plans, released
 
 
 KVCacheSpecRegistry._ensure_registered()  # built-ins first: registration is one-shot

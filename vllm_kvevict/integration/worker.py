@@ -15,20 +15,22 @@ token is written there (a reused block never inherits stale importance).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from vllm_kvevict.config import EvictionConfig
+from vllm_kvevict.integration.decode_log import DecodeQueryLog, StepPlacement
 from vllm_kvevict.integration.plans import STEP_ATTR, CompactionPlan, EvictionStep
-from vllm_kvevict.kv_layout import KVLayout, split_kv_cache
 from vllm_kvevict.policies import make_policy
 
 
 @dataclass
 class LayerCache:
-    kv_cache: torch.Tensor  # (num_blocks, H, BS, 2 * D), ISA-packed
-    layout: KVLayout
+    kv_cache: torch.Tensor  # the backend's layer cache, e.g. CPU (NB, H, BS, 2 * D)
+    layout: Any  # KVLayout (CPU) or NHDLayout (FlashAttention): split/read/write/gather
     scores: torch.Tensor  # (H, num_blocks * BS) float32
 
 
@@ -50,15 +52,22 @@ class WorkerEviction:
         self.evicted: dict[str, int] = {}
         self.kept: dict[str, KeptRecord] = {}
         self.record_kept = False  # tests turn this on
+        self.decode_log = DecodeQueryLog()
+        self._step_open = False  # a begin_step not yet matched by place_decode_queries
 
     # --- registration ---------------------------------------------------------
 
-    def layer(self, name: str, kv_cache: torch.Tensor, isa: str) -> LayerCache:
+    def layer(self, name: str, kv_cache: torch.Tensor,
+              make_layout: Callable[[torch.Tensor], Any]) -> LayerCache:
+        """The layer's cache, layout and score buffer (made on first sight)."""
         lc = self.layers.get(name)
         if lc is None or lc.kv_cache.data_ptr() != kv_cache.data_ptr():
-            nb, h, bs, d2 = kv_cache.shape
-            layout = KVLayout.discover(isa, kv_cache.dtype, bs, d2 // 2, h)
-            lc = LayerCache(kv_cache, layout, torch.zeros(h, nb * bs, dtype=torch.float32))
+            layout = make_layout(kv_cache)
+            key_cache, _ = layout.split(kv_cache)
+            slots = key_cache.shape[0] * layout.block_size
+            scores = torch.zeros(layout.num_kv_heads, slots, dtype=torch.float32,
+                                 device=kv_cache.device)
+            lc = LayerCache(kv_cache, layout, scores)
             self.layers[name] = lc
         return lc
 
@@ -66,14 +75,39 @@ class WorkerEviction:
 
     def begin_step(self, runner, scheduler_output) -> None:
         self.runner = runner
+        self._step_open = True
         step: EvictionStep | None = getattr(scheduler_output, STEP_ATTR, None)
         if step is None:
             return
+        # Freed blocks may already belong to someone else: forget queries that
+        # would read them. Then score what waits for requests about to move.
+        self.decode_log.drop(step.released)
+        self.decode_log.drop(scheduler_output.finished_req_ids)
+        self.decode_log.flush([p.req_id for p in step.plans], self.layers, self._block_ids)
         for plan in step.plans:
             self._compact(plan)
         self.evicted = step.evicted
         for req_id in scheduler_output.finished_req_ids:
             self.kept.pop(req_id, None)
+
+    def _block_ids(self, req_id: str) -> list[int] | None:
+        req_state = self.runner.requests.get(req_id) if self.runner else None
+        return None if req_state is None else req_state.block_ids[0]
+
+    def place_decode_queries(self, num_reqs: int, query_start_loc: torch.Tensor,
+                             seq_lens: torch.Tensor) -> StepPlacement | None:
+        """Once per step, from the metadata builder (physical seq_lens): log
+        slots for this step's decode queries, or None (score everything now),
+        e.g. for a second builder in the same step or a dummy run."""
+        if not self._step_open or self.runner is None or not self.policy.needs_scores:
+            return None
+        self._step_open = False
+        if self.decode_log.full():
+            self.decode_log.flush_all(self.layers, self._block_ids)
+        qsl = query_start_loc[: num_reqs + 1].tolist()
+        q_lens = [b - a for a, b in zip(qsl, qsl[1:])]
+        req_ids = self.runner.input_batch.req_ids[:num_reqs]
+        return self.decode_log.place(req_ids, q_lens, seq_lens[:num_reqs].tolist())
 
     def evicted_per_row(self, num_reqs: int) -> torch.Tensor | None:
         """(num_reqs,) int32 offsets logical - physical in batch order, or None."""
@@ -110,7 +144,7 @@ class WorkerEviction:
             keep = self.policy.select(scores, plan.new_len, keep_recent)  # (H, new_len)
             s_slot = src[keep]
             d_slot = dst.expand(h, -1)
-            kc, vc = split_kv_cache(lc.kv_cache)
+            kc, vc = lc.layout.split(lc.kv_cache)
             k, v = lc.layout.read_tokens(kc, vc, s_slot // bs, s_slot % bs)
             lc.layout.write_tokens(kc, vc, d_slot // bs, d_slot % bs, k, v)
             lc.scores.scatter_(1, d_slot, scores.gather(1, keep))

@@ -1,0 +1,150 @@
+"""Decode queries wait here and are scored up to `depth` steps at a time.
+
+Scoring one decode query means gathering all its request's keys (in the CPU
+layout, a transposing copy); scoring 16 queries against one gather costs about
+as much as scoring one. The deferral is exact, not an approximation: a
+request's keys do not move until it is compacted, and each logged query keeps
+the physical length it saw, so the later score equals the per-step one (up to
+float summation order).
+
+The log is therefore flushed
+  - for a request, right before it is compacted (its keys are about to move),
+  - for every request, when one of them has `depth` queries waiting,
+and dropped for a request whose blocks were freed (finished, aborted,
+preempted: its blocks may already hold another request's KV) or that is
+prefilled again.
+
+    queries[layer]: (capacity, depth, H_q, D) cache dtype
+    visible:        (capacity, depth) int64, 0 = empty
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvevict.integration.scores import score_queries
+
+
+@dataclass
+class StepPlacement:
+    """Where this step's decode queries go: token index -> (log row, column)."""
+    tokens: torch.Tensor  # (N,) int64 token indices in the step's query tensor
+    rows: torch.Tensor    # (N,) int64 log rows
+    cols: torch.Tensor    # (N,) int64 log columns
+
+
+class DecodeQueryLog:
+    def __init__(self, depth: int = 16) -> None:
+        self.depth = depth
+        self.row_of: dict[str, int] = {}
+        self.count: dict[str, int] = {}
+        self.visible = torch.zeros(0, depth, dtype=torch.int64)
+        self.queries: dict[str, torch.Tensor] = {}
+        self.scale: dict[str, float] = {}
+
+    # --- bookkeeping (once per step) -----------------------------------------
+
+    def _row(self, req_id: str) -> int:
+        row = self.row_of.get(req_id)
+        if row is None:
+            used = set(self.row_of.values())
+            row = next(i for i in range(len(self.row_of) + 1) if i not in used)
+            if row >= self.visible.shape[0]:  # grow by doubling
+                grown = torch.zeros(max(8, 2 * self.visible.shape[0]), self.depth,
+                                    dtype=torch.int64)
+                grown[: self.visible.shape[0]] = self.visible
+                self.visible = grown
+            self.row_of[req_id] = row
+            self.count[req_id] = 0
+        return row
+
+    def drop(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            row = self.row_of.pop(req_id, None)
+            if row is not None:
+                self.count.pop(req_id)
+                self.visible[row] = 0
+
+    def full(self) -> bool:
+        return any(c >= self.depth for c in self.count.values())
+
+    def place(self, req_ids: list[str], q_lens: list[int], seq_lens: list[int]
+              ) -> StepPlacement:
+        """Give each single-query row a log slot; drop rows being prefilled.
+        The caller flushes first if `full()`. seq_lens are physical."""
+        tokens, rows, cols = [], [], []
+        start = 0
+        for req_id, n, s in zip(req_ids, q_lens, seq_lens):
+            if n == 1:
+                row = self._row(req_id)
+                col = self.count[req_id]
+                self.count[req_id] = col + 1
+                self.visible[row, col] = s
+                tokens.append(start)
+                rows.append(row)
+                cols.append(col)
+            elif req_id in self.row_of:
+                self.drop([req_id])
+            start += n
+        as_long = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+        return StepPlacement(as_long(tokens), as_long(rows), as_long(cols))
+
+    # --- per layer -------------------------------------------------------------
+
+    def record(self, layer: str, query: torch.Tensor, placement: StepPlacement,
+               scale: float) -> None:
+        """query: (num_tokens, H_q, D) of this step."""
+        buf = self.queries.get(layer)
+        cap = self.visible.shape[0]
+        if buf is None or buf.shape[0] < cap:
+            grown = torch.zeros(cap, self.depth, *query.shape[1:], dtype=query.dtype)
+            if buf is not None:
+                grown[: buf.shape[0]] = buf
+            self.queries[layer] = buf = grown
+        self.scale[layer] = scale
+        if placement.tokens.numel():
+            buf[placement.rows, placement.cols] = query[placement.tokens]
+
+    # --- flush -----------------------------------------------------------------
+
+    def flush(self, req_ids: Iterable[str], layers: dict,
+              block_ids_of: Callable[[str], list[int] | None]) -> None:
+        """Score the waiting queries of `req_ids` in every layer, then clear them.
+
+        layers: name -> LayerCache (kv_cache, layout, scores).
+        block_ids_of(req_id): the request's current block ids (worker's copy),
+        None if the worker no longer knows it (its queries are dropped).
+        """
+        ids = [r for r in req_ids if self.count.get(r, 0) > 0]
+        blocks = {r: block_ids_of(r) for r in ids}
+        self.drop([r for r in ids if blocks[r] is None])
+        ids = [r for r in ids if blocks[r] is not None]
+        if not ids or not self.queries:
+            return
+        rows = torch.tensor([self.row_of[r] for r in ids], dtype=torch.int64)
+        nq = max(self.count[r] for r in ids)
+        visible = self.visible[rows, :nq]
+        any_layer = next(iter(layers.values()))
+        bs = any_layer.layout.block_size
+        nblk = -(-int(visible.max()) // bs)
+        block_rows = torch.zeros(len(ids), nblk, dtype=torch.int64)
+        for i, r in enumerate(ids):
+            row = blocks[r][:nblk]
+            block_rows[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
+        for name, lc in layers.items():
+            buf = self.queries.get(name)
+            if buf is None:
+                continue
+            key_cache, _ = lc.layout.split(lc.kv_cache)
+            score_queries(lc.scores, lc.layout, key_cache, buf[rows, :nq], visible,
+                          block_rows, self.scale[name])
+        self.visible[rows] = 0
+        for r in ids:
+            self.count[r] = 0
+
+    def flush_all(self, layers: dict,
+                  block_ids_of: Callable[[str], list[int] | None]) -> None:
+        self.flush(list(self.count), layers, block_ids_of)
