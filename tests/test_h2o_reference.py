@@ -26,14 +26,11 @@ positions stay logical.
 The vLLM half runs the plugin in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
 records the kept logical positions of every compaction, and the tests compare
 them, and the greedy tokens, with the reference: exact on this CPU in fp32.
-The last test is a strict xfail that documents a plugin bug (H2O scores under
-prefix caching).
-
-Run: python -m pytest benchmarks/h2o_reference_check.py -q   (~40 s here)
+The last test checks that H2O never serves a prefix-cache hit (scores live per
+physical slot, so a shared block would carry another request's attention).
 """
 from __future__ import annotations
 
-import gc
 import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # worker in this process
@@ -245,8 +242,9 @@ def llm(model_path):
     assert st is not None, "no in-process worker state: is multiprocessing on?"
     st.record_kept = True
     yield engine
-    del engine
-    gc.collect()
+    from conftest import close
+
+    close(engine)
 
 
 def _vllm_generate(llm, prompt: list[int], max_tokens: int):
@@ -358,31 +356,26 @@ def test_h2o_matches_dense_reference(llm, hf, prompts, idx):
     assert got_tokens == ref_tokens, f"first differing generated token: {first_diff}"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "plugin bug: H2O scores live in per-slot buffers that prefix caching shares. A "
-    "request that hits cached blocks starts from the scores the earlier request left "
-    "there (its later queries' attention included), not from its own prefix's"))
-def test_h2o_after_a_prefix_cache_hit(llm, hf):
-    """B reuses 3 prefix-cached blocks (96 tokens) written by A, then compacts."""
+def test_h2o_never_serves_a_prefix_cache_hit(llm, hf):
+    """B shares its first 3 blocks (96 tokens) with A, which ran first. Under H2O
+    nothing is registered for prefix caching, so B computes its whole prompt and
+    its kept sets and tokens equal the reference's for B alone."""
     model, tok = hf
     with open("/usr/share/common-licenses/MPL-2.0") as f:
         ids = tok(f.read(), add_special_tokens=False).input_ids
     a, b = ids[:120], ids[:96] + ids[300:400]
     from vllm import SamplingParams
 
+    assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
     llm.generate([{"prompt_token_ids": a}], SamplingParams(temperature=0, max_tokens=4),
                  use_tqdm=False)
     got_tokens, snaps, cached = _vllm_generate(llm, b, 8)
-    if cached != 96:
-        pytest.fail(f"B should reuse A's first 3 blocks, got {cached} cached tokens")
-    # vLLM prefills B's last 100 tokens in one step, after the 96 cached ones; no
-    # compaction comes between, so this is the reference's one-chunk prefill.
-    ref_tokens, evictions = h2o_generate(model, b, 8, BUDGET, RECENT, BLOCK)
-    schedule = ([p.logical_len for p, _ in snaps], [L for L, _, _ in evictions])
-    if not schedule[0] == schedule[1] == [len(b)]:
-        pytest.fail(f"expected one compaction, at the first decode step: {schedule}")
-    exact = sum(torch.equal(g, w) for g, w in zip(snaps[0][1].flatten(0, 1),
-                                                   evictions[0][1].flatten(0, 1)))
-    print(f"\nafter a prefix-cache hit: {exact}/90 kept sets exact, "
-          f"tokens equal: {got_tokens == ref_tokens}")
-    assert exact == 90 and got_tokens == ref_tokens
+    assert cached == 0, f"H2O must not reuse A's blocks, got {cached} cached tokens"
+    ref_tokens, evictions = h2o_generate(model, b, 8, BUDGET, RECENT, BLOCK, chunk=CHUNK)
+    assert [p.logical_len for p, _ in snaps] == [L for L, _, _ in evictions]
+    assert snaps, "B should compact at least once"
+    pairs = [(g, w) for (_, got), (_, want, _) in zip(snaps, evictions)
+             for g, w in zip(got.flatten(0, 1), want.flatten(0, 1))]
+    exact = sum(torch.equal(g, w) for g, w in pairs)
+    assert exact >= 0.99 * len(pairs), f"{exact}/{len(pairs)} kept sets exact"
+    assert got_tokens == ref_tokens
