@@ -45,6 +45,8 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_kvevict.integration.probe import BlockProbe, attach
+
 RESULT_MARKER = "@@KVEVICT_RESULT@@ "
 KV_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 
@@ -90,62 +92,47 @@ def kv_bytes_per_token(model: str, dtype: str) -> int:
 # --------------------------------------------------------------------------- one run
 
 
-class StepRecorder:
-    """Samples vLLM's scheduler after every schedule() call."""
+class StepRecorder(BlockProbe):
+    """vLLM's BlockProbe plus per-step traces, sampled after every schedule()
+    that scheduled work."""
 
-    def __init__(self, scheduler) -> None:
-        self.scheduler = scheduler
-        kvm = scheduler.kv_cache_manager
-        self.block_pool = kvm.block_pool
-        managers = kvm.coordinator.single_type_managers
+    def __post_init__(self) -> None:
+        managers = self.managers()
         assert len(managers) == 1, f"expected one KV cache group, got {len(managers)}"
         self.manager = managers[0]
         self.reset()
-        self._orig_schedule = scheduler.schedule
-        self._orig_preempt = scheduler._preempt_request
-        scheduler.schedule = self._schedule  # instance attributes shadow the class
-        scheduler._preempt_request = self._preempt
 
     def reset(self) -> None:
         self.steps = 0
+        self.preemptions = 0
+        self.max_blocks_per_request = 0
         self.blocks_used: list[int] = []
         self.running: list[int] = []
-        self.preemptions = 0
-        self.max_blocks_per_req = 0
         self.last_len: dict[str, tuple[int, int, int]] = {}  # rid -> (logical, physical, blocks)
         self.stamps: list[float] = []  # perf_counter at each schedule() with work
         self.req_max: dict[str, dict] = {}  # rid -> state when it held the most blocks
 
-    def _preempt(self, request, *args, **kwargs):
-        self.preemptions += 1
-        return self._orig_preempt(request, *args, **kwargs)
-
-    def _schedule(self, *args, **kwargs):
-        out = self._orig_schedule(*args, **kwargs)
-        if out.total_num_scheduled_tokens > 0:
-            self.stamps.append(time.perf_counter())
-            bp = self.block_pool
-            # block 0 is vLLM's null block, never handed out
-            self.blocks_used.append(bp.num_gpu_blocks - 1 - bp.get_num_free_blocks())
-            self.running.append(len(self.scheduler.running))
-            self.steps += 1
-            evicted = getattr(self.manager, "evicted", {})
-            r2b = self.manager.req_to_blocks
-            for req in self.scheduler.running:
-                rid = req.request_id
-                nb = len(r2b.get(rid, ()))
-                if nb > self.max_blocks_per_req:
-                    self.max_blocks_per_req = nb
-                logical = req.num_computed_tokens  # includes tokens scheduled this step
-                physical = logical - evicted.get(rid, 0)
-                self.last_len[rid] = (logical, physical, nb)
-                if nb > self.req_max.get(rid, {}).get("blocks", -1):
-                    self.req_max[rid] = {
-                        "req": rid, "blocks": nb, "step": self.steps, "logical": logical,
-                        "physical": physical, "prompt": req.num_prompt_tokens,
-                        "scheduled_now": out.num_scheduled_tokens.get(rid, 0),
-                        "num_preemptions": req.num_preemptions}
-        return out
+    def sample(self, out) -> None:
+        if out.total_num_scheduled_tokens == 0:
+            return
+        super().sample(out)
+        self.stamps.append(time.perf_counter())
+        self.blocks_used.append(self.used_blocks())
+        self.running.append(len(self.scheduler.running))
+        evicted = getattr(self.manager, "evicted", {})
+        r2b = self.manager.req_to_blocks
+        for req in self.scheduler.running:
+            rid = req.request_id
+            nb = len(r2b.get(rid, ()))
+            logical = req.num_computed_tokens  # includes tokens scheduled this step
+            physical = logical - evicted.get(rid, 0)
+            self.last_len[rid] = (logical, physical, nb)
+            if nb > self.req_max.get(rid, {}).get("blocks", -1):
+                self.req_max[rid] = {
+                    "req": rid, "blocks": nb, "step": self.steps, "logical": logical,
+                    "physical": physical, "prompt": req.num_prompt_tokens,
+                    "scheduled_now": out.num_scheduled_tokens.get(rid, 0),
+                    "num_preemptions": req.num_preemptions}
 
 
 def plugin_fingerprint() -> str:
@@ -203,10 +190,8 @@ def run_config(cfg: dict) -> dict:
     )
     init_s = time.perf_counter() - t0
     try:
-        core = llm.llm_engine.engine_core.engine_core
-        scheduler = core.scheduler
-        rec = StepRecorder(scheduler)
-        mgr = rec.manager
+        rec = attach(llm, StepRecorder)
+        scheduler, mgr = rec.scheduler, rec.manager
 
         prompts = make_prompts(cfg["model"], cfg["num_requests"], cfg["prompt_len"])
         params = SamplingParams(max_tokens=cfg["output_len"], ignore_eos=True,
@@ -286,7 +271,7 @@ def timed_generate(llm, rec: StepRecorder, mgr, prompts, params, cfg) -> dict:
         "blocks_trace": rec.blocks_used,  # per step, vLLM's BlockPool
         "running_trace": rec.running,  # per step, len(Scheduler.running)
         "preemptions": rec.preemptions,
-        "max_blocks_per_request": rec.max_blocks_per_req,
+        "max_blocks_per_request": rec.max_blocks_per_request,
         # the requests that held the most blocks, and their state at that step
         "max_blocks_detail": sorted(rec.req_max.values(), key=lambda d: -d["blocks"])[:5],
         "tokens_seen_end": logical,

@@ -210,3 +210,41 @@ def test_compacting_a_request_in_place(isa, dtype, bs, d, h, path):
     q = torch.randn(1, 2 * h, d, generator=gen).to(dtype)
     out = _stock_attention(isa, q, kc, vc, table, [n_new], h)
     _assert_close(out[0], _ref_attention(q[0], kk, vk), dtype)
+
+
+@pytest.mark.parametrize("isa,dtype,bs,d,h", CASES, ids=IDS)
+@PATHS
+def test_compaction_path_moves_tokens_and_scores(isa, dtype, bs, d, h, path):
+    """Scenario: the plugin's compaction (vllm_kvevict.compaction.compact) keeps a
+    different subset per head, in place over the same blocks. The cache equals
+    the stock writer storing the kept tokens (the rest of the last block zeroed),
+    other requests' blocks are untouched, and scores move with their tokens."""
+    from vllm_kvevict.compaction import compact
+
+    gen = torch.Generator().manual_seed(13 * bs + d + h)
+    L = _layout(isa, dtype, bs, d, h, path)
+    n_old, n_new = 2 * bs + 9, bs + 3
+    table = _requests(bs, [n_old, bs], gen)  # row 1: a neighbour that must not change
+    kv, kc, vc = _cache(dtype, bs, d, h, 0.25)
+    k = torch.randn(n_old, h, d, generator=gen).to(dtype)
+    v = torch.randn(n_old, h, d, generator=gen).to(dtype)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, _slots(table[0], torch.arange(n_old), bs), isa)
+    scores = torch.rand(h, NB * bs, generator=gen)
+    keep = torch.stack([torch.randperm(n_old, generator=gen)[:n_new].sort().values
+                        for _ in range(h)])  # [H, n_new]
+
+    expected, expected_scores = kv.clone(), scores.clone()
+    hh = torch.arange(h).view(-1, 1)
+    n_dst = (n_new + bs - 1) // bs
+    kk = torch.zeros(n_dst * bs, h, d, dtype=dtype)
+    vk = torch.zeros(n_dst * bs, h, d, dtype=dtype)
+    kk[:n_new], vk[:n_new] = k[keep, hh].transpose(0, 1), v[keep, hh].transpose(0, 1)
+    dst = _slots(table[0], torch.arange(n_dst * bs), bs)
+    ops.cpu_attn_reshape_and_cache(kk, vk, *split_kv_cache(expected), dst, isa)
+    old_slots = _slots(table[0], torch.arange(n_old), bs)
+    expected_scores[:, dst[:n_new]] = scores[:, old_slots].gather(1, keep)
+
+    src_blocks = table[0, : (n_old + bs - 1) // bs].long()
+    compact(L, kc, vc, scores, src_blocks, src_blocks[:n_dst], keep)
+    assert torch.equal(kv, expected)
+    assert torch.equal(scores, expected_scores)

@@ -32,8 +32,7 @@ from vllm_kvevict.integration.scores import score_queries
 class StepPlacement:
     """Where this step's decode queries go: token index -> (log row, column)."""
     tokens: torch.Tensor  # (N,) int64 token indices in the step's query tensor
-    rows: torch.Tensor    # (N,) int64 log rows
-    cols: torch.Tensor    # (N,) int64 log columns
+    cells: torch.Tensor   # (N,) int64 log row * depth + column
 
 
 class DecodeQueryLog:
@@ -75,7 +74,7 @@ class DecodeQueryLog:
               ) -> StepPlacement:
         """Give each single-query row a log slot; drop rows being prefilled.
         The caller flushes first if `full()`. seq_lens are physical."""
-        tokens, rows, cols = [], [], []
+        tokens, cells = [], []
         start = 0
         for req_id, n, s in zip(req_ids, q_lens, seq_lens):
             if n == 1:
@@ -84,13 +83,12 @@ class DecodeQueryLog:
                 self.count[req_id] = col + 1
                 self.visible[row, col] = s
                 tokens.append(start)
-                rows.append(row)
-                cols.append(col)
+                cells.append(row * self.depth + col)
             elif req_id in self.row_of:
                 self.drop([req_id])
             start += n
         as_long = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-        return StepPlacement(as_long(tokens), as_long(rows), as_long(cols))
+        return StepPlacement(as_long(tokens), as_long(cells))
 
     # --- per layer -------------------------------------------------------------
 
@@ -106,7 +104,10 @@ class DecodeQueryLog:
             self.queries[layer] = buf = grown
         self.scale[layer] = scale
         if placement.tokens.numel():
-            buf[placement.rows, placement.cols] = query[placement.tokens]
+            # index_copy_ on the flat (row, column) axis: ~10x cheaper than a
+            # two-index assignment here.
+            buf.view(-1, *buf.shape[2:]).index_copy_(0, placement.cells,
+                                                     query[placement.tokens])
 
     # --- flush -----------------------------------------------------------------
 

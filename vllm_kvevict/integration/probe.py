@@ -37,7 +37,9 @@ class BlockProbe:
         pool = self.block_pool
         return pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()  # minus the null block
 
-    def sample(self) -> None:
+    def sample(self, output) -> None:
+        """Called after every schedule() with its SchedulerOutput (subclasses
+        record more; `output` tells them what was scheduled)."""
         self.steps += 1
         self.peak_used_blocks = max(self.peak_used_blocks, self.used_blocks())
         self.running_sum += len(self.scheduler.running)
@@ -54,14 +56,14 @@ class BlockProbe:
         return self.scheduler.kv_cache_manager.coordinator.single_type_managers
 
 
-def attach(llm) -> BlockProbe:
+def attach(llm, probe_cls: type[BlockProbe] = BlockProbe) -> BlockProbe:
     sched = scheduler_of(llm)
-    probe = BlockProbe(sched)
+    probe = probe_cls(sched)
     schedule, preempt = sched.schedule, sched._preempt_request
 
     def sampled_schedule(*args, **kwargs):
         out = schedule(*args, **kwargs)
-        probe.sample()  # after allocation: the step's peak
+        probe.sample(out)  # after allocation: the step's peak
         return out
 
     def counted_preempt(*args, **kwargs):

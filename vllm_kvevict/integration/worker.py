@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from vllm_kvevict.compaction import compact
 from vllm_kvevict.config import EvictionConfig
 from vllm_kvevict.integration.decode_log import DecodeQueryLog, StepPlacement
 from vllm_kvevict.integration.plans import STEP_ATTR, CompactionPlan, EvictionStep
@@ -119,35 +120,25 @@ class WorkerEviction:
 
     # --- compaction -------------------------------------------------------------
 
-    def _slots(self, block_ids, n: int) -> torch.Tensor:
-        """(n,) flat slot ids of the first n tokens of a block row."""
-        bs = self.block_size
-        blocks = torch.tensor(block_ids, dtype=torch.int64)
-        j = torch.arange(n)
-        return blocks[j // bs] * bs + j % bs
-
     def _compact(self, plan: CompactionPlan) -> None:
         runner = self.runner
         req_state = runner.requests.get(plan.req_id) if runner else None
         if req_state is None or not self.layers:
             return
-        src = self._slots(plan.src_block_ids, plan.old_len)
-        dst = self._slots(plan.dst_block_ids, plan.new_len)
         bs = self.block_size
+        src_blocks = torch.tensor(plan.src_block_ids, dtype=torch.int64)
+        dst_blocks = torch.tensor(plan.dst_block_ids, dtype=torch.int64)
+        j = torch.arange(plan.old_len)
+        src = src_blocks[j // bs] * bs + j % bs  # (old_len,) slots of the old tokens
         keep_recent = self.cfg.recent_tokens(plan.new_len, plan.logical_len)
         kept_positions = []
         prev = self.kept.get(plan.req_id)
         logical = self._logical_positions(prev, plan)
         for li, lc in enumerate(self.layers.values()):
             h = lc.scores.shape[0]
-            scores = lc.scores[:, src]  # (H, old_len)
-            keep = self.policy.select(scores, plan.new_len, keep_recent)  # (H, new_len)
-            s_slot = src[keep]
-            d_slot = dst.expand(h, -1)
+            keep = self.policy.select(lc.scores[:, src], plan.new_len, keep_recent)
             kc, vc = lc.layout.split(lc.kv_cache)
-            k, v = lc.layout.read_tokens(kc, vc, s_slot // bs, s_slot % bs)
-            lc.layout.write_tokens(kc, vc, d_slot // bs, d_slot % bs, k, v)
-            lc.scores.scatter_(1, d_slot, scores.gather(1, keep))
+            compact(lc.layout, kc, vc, lc.scores, src_blocks, dst_blocks, keep)
             if self.record_kept:
                 pos = logical[li] if logical.dim() == 3 else logical.expand(h, -1)
                 kept_positions.append(pos.gather(1, keep))
