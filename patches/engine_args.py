@@ -7,6 +7,8 @@ HOW: add an argument group; fold the parsed values into
      `additional_config` (hashed and pickled to every process by vLLM); validate
      the settings (and the budget against the block size) in
      create_engine_config, so a bad value stops startup with the flag's name.
+     On CUDA with eviction on, request `--attention-backend CUSTOM` (our
+     FlashAttention wrapper, see integration/select.py).
 UPSTREAM: a plugin API to register engine CLI arguments.
 """
 
@@ -51,7 +53,10 @@ def apply() -> None:
         return engine_args
 
     def create_engine_config(self, *args, **kwargs):
+        from vllm_kvevict.integration.select import select_attention_backend
+
         cfg = EvictionConfig.from_dict(self.additional_config or {})
+        select_attention_backend(self, cfg)
         vllm_config = create_engine_config.__kvevict_original__(self, *args, **kwargs)
         if cfg.enabled:
             cfg.check_block_size(vllm_config.cache_config.block_size)

@@ -166,8 +166,6 @@ def test_deferred_decode_scoring_equals_scoring_every_step(model_path):
     """The CPU path scores decode queries up to 16 steps at a time (DecodeQueryLog).
     It must keep the same tokens, per layer and KV head, as scoring each step's
     queries at once, through every compaction of a batch, and generate the same text."""
-    import torch
-
     outs_d, kept_d = _h2o_kept_sets(model_path, defer=True)
     outs_e, kept_e = _h2o_kept_sets(model_path, defer=False)
     assert len(kept_d) == len(kept_e) >= len(PROMPTS) * 3

@@ -37,5 +37,9 @@ def register() -> None:
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN,
                          "vllm_kvevict.integration.backend.EvictingCPUAttentionBackend")
+    elif current_platform.is_cuda():
+        from vllm_kvevict.integration.select import register_cuda_backend
+
+        register_cuda_backend()
     apply_all()
     _registered = True

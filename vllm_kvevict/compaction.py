@@ -26,6 +26,8 @@ def compact(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
     new_len are zeroed (nothing valid lives there; the next tokens go there).
     """
     h, new_len = keep.shape
+    # The worker builds block ids on the CPU; the cache may live on a GPU.
+    src_blocks, dst_blocks = src_blocks.to(key_cache.device), dst_blocks.to(key_cache.device)
     bs, d = layout.block_size, layout.head_size
     n_src, n_dst = src_blocks.numel(), dst_blocks.numel()
     k = layout.gather_keys(key_cache, src_blocks[None], n_src)[0]  # (H, n_src*BS, D)

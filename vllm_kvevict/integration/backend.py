@@ -17,9 +17,6 @@ that path is importable without a GPU but has never run here.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-import torch
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
@@ -28,39 +25,16 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from vllm_kvevict.config import EvictionConfig
+from vllm_kvevict.integration.attention_common import (
+    eviction_config,
+    evictable_spec,
+    physical_view,
+)
 from vllm_kvevict.integration.scores import accumulate_scores
 from vllm_kvevict.integration.worker import init_worker_state, worker_state
 from vllm_kvevict.kv_layout import KVLayout
 
 PLACEMENT_ATTR = "kvevict_decode_placement"  # set on the step's attention metadata
-
-
-def eviction_config(vllm_config=None) -> EvictionConfig:
-    vllm_config = vllm_config or get_current_vllm_config()
-    return EvictionConfig.from_dict(vllm_config.additional_config or {})
-
-
-def physical_view(cm, evicted: torch.Tensor, block_size: int):
-    """CommonAttentionMetadata with physical seq_lens and slot_mapping.
-
-    evicted: (num_reqs,) int32, logical - physical per batch row.
-    New tokens of row i occupy physical positions [S_i - q_i, S_i).
-    """
-    num_reqs, n = cm.num_reqs, cm.num_actual_tokens
-    dev = cm.seq_lens.device
-    seq = cm.seq_lens[:num_reqs] - evicted.to(dev)
-    qsl = cm.query_start_loc[: num_reqs + 1].long()
-    q_lens = qsl[1:] - qsl[:-1]
-    row = torch.repeat_interleave(torch.arange(num_reqs, device=dev), q_lens)
-    pos = (seq.long() - q_lens)[row] + torch.arange(n, device=dev) - qsl[:-1][row]
-    slots = cm.block_table_tensor[row, pos // block_size].long() * block_size + pos % block_size
-    slot_mapping = cm.slot_mapping.clone()
-    slot_mapping[:n] = slots
-    seq_lens = cm.seq_lens.clone()
-    seq_lens[:num_reqs] = seq
-    return replace(cm, seq_lens=seq_lens, slot_mapping=slot_mapping,
-                   max_seq_len=int(seq.max()))
 
 
 class EvictingCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -100,8 +74,10 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
         if attn_metadata is None:
             return output
         n = attn_metadata.num_actual_tokens
-        # The backend owns the KV write (forward_includes_kv_cache_update).
-        if key is not None and value is not None:
+        # The backend owns the KV write (forward_includes_kv_cache_update); layers
+        # that share an earlier layer's cache write nothing, as in the stock path.
+        if (key is not None and value is not None
+                and self.kv_sharing_target_layer_name is None):
             self.do_kv_cache_update(layer, key[:n], value[:n], kv_cache,
                                     attn_metadata.slot_mapping[:n])
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata,
@@ -142,17 +118,3 @@ class EvictingCPUAttentionBackend(CPUAttentionBackend):
     def customize_spec(cls, spec):
         spec = super().customize_spec(spec)
         return evictable_spec(spec)
-
-
-def evictable_spec(spec):
-    """Swap a full-attention spec for the evictable one when eviction is on."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    from vllm_kvevict.integration.spec import EvictableAttentionSpec
-
-    state = worker_state()
-    if state is None or type(spec) is not FullAttentionSpec:
-        return spec
-    cfg = state.cfg
-    fields = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
-    return EvictableAttentionSpec(**fields, eviction=tuple(sorted(cfg.to_dict().items())))

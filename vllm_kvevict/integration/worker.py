@@ -64,6 +64,9 @@ class WorkerEviction:
         lc = self.layers.get(name)
         if lc is None or lc.kv_cache.data_ptr() != kv_cache.data_ptr():
             layout = make_layout(kv_cache)
+            # The kernel's block size is final only once caches exist (on CUDA
+            # vLLM may change it after model load): trust the cache.
+            self.block_size = layout.block_size
             key_cache, _ = layout.split(kv_cache)
             slots = key_cache.shape[0] * layout.block_size
             scores = torch.zeros(layout.num_kv_heads, slots, dtype=torch.float32,

@@ -1,0 +1,310 @@
+"""The CUDA path (FLASH_ATTN wrapped as AttentionBackendEnum.CUSTOM), without a GPU.
+
+Real vLLM objects wherever they build on the CPU-only install: the FlashAttention
+backend module, its metadata builder (constructed from a real VllmConfig of the
+test model), FlashAttentionMetadata, the attention registry and config
+validators. Stand-ins only for what needs a GPU, each marked where used: the
+platform object (``vllm.platforms.cuda`` imports CUDA-only extensions), the
+FlashAttention kernel and ``reshape_and_cache_flash``.
+
+Importing this file is itself the first check: the CUDA layer must import on a
+CPU-only vLLM, so a failure here is an error, not a skip.
+"""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import vllm.v1.attention.backends.flash_attn as fa
+from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+from vllm_kvevict.config import EvictionConfig, EvictionConfigError
+from vllm_kvevict.integration import worker
+from vllm_kvevict.integration.attention_common import physical_view
+from vllm_kvevict.integration.cuda_backend import (
+    EvictingFlashAttentionBackend,
+    EvictingFlashAttentionImpl,
+    EvictingFlashAttentionMetadataBuilder,
+)
+from vllm_kvevict.integration.select import (
+    CUDA_BACKEND,
+    register_cuda_backend,
+    select_attention_backend,
+)
+from vllm_kvevict.nhd_layout import NHDLayout
+
+BS, HQ, HKV, D = 16, 4, 2, 8
+H2O = {"kv_eviction": "h2o", "kv_budget": 64}
+
+
+def own_names(cls):
+    return {n for n in vars(cls) if not n.startswith("__") and n != "_abc_impl"}
+
+
+def test_subclasses_override_exactly_the_eviction_hooks():
+    B = EvictingFlashAttentionBackend
+    assert issubclass(B, fa.FlashAttentionBackend)
+    assert own_names(B) == {"forward_includes_kv_cache_update", "get_name", "get_impl_cls",
+                            "get_builder_cls", "customize_spec"}
+    assert B.forward_includes_kv_cache_update
+    assert not fa.FlashAttentionBackend.forward_includes_kv_cache_update
+    assert B.get_impl_cls() is EvictingFlashAttentionImpl
+    assert B.get_builder_cls() is EvictingFlashAttentionMetadataBuilder
+    assert issubclass(EvictingFlashAttentionImpl, fa.FlashAttentionImpl)
+    assert own_names(EvictingFlashAttentionImpl) == {"_layout", "forward"}
+    assert "__init__" in vars(EvictingFlashAttentionImpl)  # creates the worker state
+    assert issubclass(EvictingFlashAttentionMetadataBuilder, fa.FlashAttentionMetadataBuilder)
+    assert own_names(EvictingFlashAttentionMetadataBuilder) == {"get_cudagraph_support", "build"}
+    # Attention.__init__ runs AttentionBackendEnum[get_name()]: it must name the
+    # member that resolves back to this class.
+    assert AttentionBackendEnum[B.get_name()] is AttentionBackendEnum.CUSTOM
+
+
+@pytest.fixture
+def custom_registered():
+    enum = AttentionBackendEnum.CUSTOM
+    was = enum.get_path() if enum.is_overridden() else None
+    register_cuda_backend()
+    yield
+    enum.clear_override()
+    if was is not None:
+        from vllm.v1.attention.backends.registry import register_backend
+        register_backend(enum, was)
+
+
+def engine_args(**kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model="unused-not-loaded", **kw)
+
+
+CUDA_LIKE = SimpleNamespace(is_cuda=lambda: True)  # stand-in: cuda.py needs CUDA extensions
+CPU_LIKE = SimpleNamespace(is_cuda=lambda: False)
+
+
+def test_selection_picks_custom_on_cuda(custom_registered):
+    from vllm.config import AttentionConfig
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    args = engine_args(additional_config=H2O)
+    select_attention_backend(args, EvictionConfig.from_dict(H2O), CUDA_LIKE)
+    # What create_engine_config does with --attention-backend ...
+    chosen = AttentionConfig.validate_backend_before(args.attention_backend)
+    assert chosen is AttentionBackendEnum.CUSTOM
+    # ... and what CudaPlatformBase.get_attn_backend_cls does with a selected
+    # backend: resolve the class, validate it for the device and layer.
+    cls = chosen.get_class()
+    assert cls is EvictingFlashAttentionBackend and chosen.get_path() == CUDA_BACKEND
+    layer = AttentionSelectorConfig(head_size=64, dtype=torch.bfloat16,
+                                    kv_cache_dtype="auto", block_size=None)
+    assert cls.validate_configuration(device_capability=DeviceCapability(9, 0),
+                                      **layer._asdict()) == []
+
+
+@pytest.mark.parametrize("kw,platform,expect", [
+    ({}, CPU_LIKE, None),                                        # CPU: stock selection
+    ({"attention_backend": "auto"}, CUDA_LIKE, AttentionBackendEnum.CUSTOM),
+    ({"attention_backend": "CUSTOM"}, CUDA_LIKE, "CUSTOM"),      # already ours
+    ({"attention_config": {"backend": "CUSTOM"}}, CUDA_LIKE, None),
+])
+def test_selection_cases(kw, platform, expect):
+    args = engine_args(additional_config=H2O, **kw)
+    select_attention_backend(args, EvictionConfig.from_dict(H2O), platform)
+    assert args.attention_backend == expect
+
+
+def test_selection_off_and_conflicts():
+    args = engine_args()
+    select_attention_backend(args, EvictionConfig.from_dict({}), CUDA_LIKE)
+    assert args.attention_backend is None  # eviction off: nothing changes
+    args = engine_args(additional_config=H2O)
+    select_attention_backend(args, EvictionConfig.from_dict(H2O))  # real platform: CPU
+    assert args.attention_backend is None
+    for kw in ({"attention_backend": "FLASH_ATTN"},
+               {"attention_config": {"backend": "TRITON_ATTN"}}):
+        with pytest.raises(EvictionConfigError, match="--attention-backend"):
+            select_attention_backend(engine_args(**kw), EvictionConfig.from_dict(H2O), CUDA_LIKE)
+
+
+# --- metadata: three rows as FlashAttention sees them --------------------------
+# row 0: decode, logical seq 40, evicted 8  -> physical 32, new token at pos 31
+# row 1: prefill chunk of 5, seq 21, evicted 0 -> positions 16..20
+# row 2: decode, logical seq 70, evicted 30 -> physical 40, new token at pos 39
+BLOCKS = torch.tensor([[3, 7, 1, 0, 0], [5, 2, 0, 0, 0], [9, 4, 6, 8, 11]], dtype=torch.int32)
+EVICTED = {"a": 8, "c": 30}
+PHYS_SEQ = [32, 21, 40]
+# pos 31 -> block 7 off 15; 16..20 -> block 2 off 0..4; 39 -> block 6 off 7
+PHYS_SLOTS = [7 * 16 + 15, 2 * 16 + 0, 2 * 16 + 1, 2 * 16 + 2, 2 * 16 + 3, 2 * 16 + 4,
+              6 * 16 + 7]
+LOGICAL_SLOTS = [1 * 16 + 7, 32, 33, 34, 35, 36, 8 * 16 + 5]  # where stock vLLM writes
+
+
+def common_metadata(pad=2):
+    qsl = torch.tensor([0, 1, 6, 7], dtype=torch.int32)
+    slots = torch.tensor(LOGICAL_SLOTS + [-1] * pad, dtype=torch.int64)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(),
+        seq_lens=torch.tensor([40, 21, 70], dtype=torch.int32), num_reqs=3,
+        num_actual_tokens=7, max_query_len=5, max_seq_len=70,
+        block_table_tensor=BLOCKS.clone(), slot_mapping=slots)
+
+
+def test_physical_view_by_hand():
+    cm = common_metadata()
+    pv = physical_view(cm, torch.tensor([8, 0, 30], dtype=torch.int32), BS)
+    assert pv.seq_lens.tolist() == PHYS_SEQ and pv.max_seq_len == 40
+    assert pv.slot_mapping.tolist() == PHYS_SLOTS + [-1, -1]  # padding kept
+    assert torch.equal(pv.block_table_tensor, BLOCKS)
+    assert torch.equal(pv.query_start_loc, cm.query_start_loc)
+    assert cm.seq_lens.tolist() == [40, 21, 70] and cm.slot_mapping.tolist()[:7] == LOGICAL_SLOTS
+
+
+@pytest.fixture
+def vllm_cfg(model_path, monkeypatch):
+    """Real VllmConfig of the test model; the worker's process-global eviction
+    state is restored afterwards."""
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+
+    monkeypatch.setattr(worker, "_STATE", None)
+    monkeypatch.setattr(worker, "_OWNER", None)
+
+    def make(extra):
+        mc = ModelConfig(model=model_path, dtype="bfloat16", max_model_len=512)
+        return VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=BS),
+                          additional_config=extra)
+    return make
+
+
+def make_impl(vc, **kw):
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(vc):
+        return EvictingFlashAttentionImpl(num_heads=HQ, head_size=D, scale=0.3,
+                                          num_kv_heads=HKV, alibi_slopes=None,
+                                          kv_cache_dtype="auto", **kw)
+
+
+def make_builder(vc):
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.bfloat16)
+    with set_current_vllm_config(vc):
+        return EvictingFlashAttentionMetadataBuilder(spec, ["l0"], vc, torch.device("cpu")), spec
+
+
+def with_evictions(state):
+    # Stand-in for the model runner: only the batch order of request ids is read.
+    state.runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b", "c"]))
+    state.evicted = dict(EVICTED)
+
+
+def test_builder_builds_physical_flash_metadata(vllm_cfg):
+    vc = vllm_cfg(H2O)
+    make_impl(vc, sliding_window=None)  # model init: creates the worker state
+    builder, spec = make_builder(vc)
+    assert builder.state is worker.worker_state() is not None
+    with_evictions(builder.state)
+    md = builder.build(0, common_metadata())
+    assert isinstance(md, fa.FlashAttentionMetadata)
+    assert md.seq_lens.tolist() == PHYS_SEQ and md.max_seq_len == 40
+    assert md.slot_mapping[:7].tolist() == PHYS_SLOTS and md.num_actual_tokens == 7
+    assert torch.equal(md.block_table, BLOCKS)
+    assert not builder.supports_update_block_table
+    cls = EvictingFlashAttentionMetadataBuilder
+    assert cls.get_cudagraph_support(vc, spec) is AttentionCGSupport.NEVER
+    off = vllm_cfg({})
+    assert (cls.get_cudagraph_support(off, spec)
+            is fa.FlashAttentionMetadataBuilder.get_cudagraph_support(off, spec))
+
+
+def test_builder_without_eviction_is_stock(vllm_cfg):
+    vc = vllm_cfg({})
+    make_impl(vc, sliding_window=None)
+    builder, _ = make_builder(vc)
+    assert builder.state is None and builder.supports_update_block_table
+    md = builder.build(0, common_metadata())
+    assert md.seq_lens.tolist() == [40, 21, 70] and md.slot_mapping[:7].tolist() == LOGICAL_SLOTS
+
+
+def test_impl_rejects_what_eviction_cannot_serve(vllm_cfg):
+    with pytest.raises(ValueError, match="sliding window"):
+        make_impl(vllm_cfg(H2O), sliding_window=64)
+    make_impl(vllm_cfg({}), sliding_window=64)  # eviction off: stock behaviour
+
+
+# --- forward: KV write at physical slots, then H2O scores ----------------------
+
+def flash_cache(bs=BS, nb=12):
+    """A bf16 layer cache as vLLM 0.32 views it for FlashAttention: logical
+    [NB, H, BS, 2D] over a [NB, BS, H, 2D] (LBNHC) buffer."""
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randn(nb, bs, HKV, 2 * D, generator=g).to(torch.bfloat16)
+    return raw.permute(0, 2, 1, 3)
+
+
+def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, *_):
+    """Stand-in for vLLM's CUDA op: token i goes to [slot // BS, slot % BS]."""
+    for i, s in enumerate(slot_mapping.tolist()):
+        key_cache[s // key_cache.shape[1], s % key_cache.shape[1]] = key[i]
+        value_cache[s // key_cache.shape[1], s % key_cache.shape[1]] = value[i]
+
+
+def reference_scores(before, kv, query, seqs, qsl, scale):
+    """Dense H2O update over physical positions, one query at a time."""
+    out = before.clone()
+    out[:, PHYS_SLOTS] = 0.0
+    g = HQ // HKV
+    for r, (s, a, b) in enumerate(zip(seqs, qsl, qsl[1:])):
+        for t in range(b - a):
+            visible = s - (b - a) + t + 1
+            slots = [int(BLOCKS[r, p // BS]) * BS + p % BS for p in range(visible)]
+            for hq in range(HQ):
+                h = hq // g
+                k = torch.stack([kv[sl // BS, h, sl % BS, :D] for sl in slots]).float()
+                p = (k @ query[a + t, hq].float() * scale).softmax(0)
+                out[h, slots] += p
+    return out
+
+
+def test_forward_writes_physical_slots_and_scores(vllm_cfg, monkeypatch):
+    vc = vllm_cfg(H2O)
+    impl = make_impl(vc, sliding_window=None)
+    builder, _ = make_builder(vc)
+    state = worker.worker_state()
+    with_evictions(state)
+    md = builder.build(0, common_metadata())
+    # Stand-ins for the GPU kernels; everything around them is the real code.
+    monkeypatch.setattr(fa, "reshape_and_cache_flash", reshape_and_cache_flash, raising=False)
+    seen = {}
+
+    def kernel(self, layer, query, key, value, kv_cache, metadata, output, *rest):
+        seen["md"] = metadata
+        return output
+    monkeypatch.setattr(fa.FlashAttentionImpl, "forward", kernel)
+    kv = flash_cache()
+    layer = SimpleNamespace(layer_name="l0", _k_scale=torch.ones(()), _v_scale=torch.ones(()))
+    lc = state.layer("l0", kv, impl._layout)
+    assert isinstance(lc.layout, NHDLayout) and lc.scores.shape == (HKV, 12 * BS)
+    lc.scores.fill_(1.0)  # old importance: new slots must restart from zero
+    before, kv_before = lc.scores.clone(), kv.clone()
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(9, n, D, generator=g).to(torch.bfloat16) for n in (HQ, HKV, HKV))
+    out = torch.zeros(9, HQ, D, dtype=torch.bfloat16)
+    assert impl.forward(layer, q, k, v, kv, md, out) is out and seen["md"] is md
+    for i, s in enumerate(PHYS_SLOTS):
+        token = kv[s // BS, :, s % BS]  # [H, 2D]
+        assert torch.equal(token[:, :D], k[i]) and torch.equal(token[:, D:], v[i])
+    for s in (1 * 16 + 7, 8 * 16 + 5):  # logical slots of the decode rows: untouched
+        assert torch.equal(kv[s // BS, :, s % BS], kv_before[s // BS, :, s % BS])
+    want = reference_scores(before, kv, q, PHYS_SEQ, [0, 1, 6, 7], 0.3)
+    torch.testing.assert_close(lc.scores, want, rtol=1e-4, atol=1e-5)
+
+
+def test_layout_requires_one_block_size(vllm_cfg):
+    impl = make_impl(vllm_cfg(H2O), sliding_window=None)
+    assert impl._layout(flash_cache()).block_size == BS
+    with pytest.raises(ValueError, match="one block size"):
+        impl._layout(flash_cache(bs=32))

@@ -1,0 +1,152 @@
+"""Worker side on CUDA: the eviction wrapper around vLLM 0.32's FLASH_ATTN.
+
+Registered as ``AttentionBackendEnum.CUSTOM`` (see ``select``) and chosen by
+the engine when ``--kv-eviction`` is on. It makes the same changes as the CPU
+wrapper in ``backend.py``, and keeps the stock FlashAttention kernels:
+
+  1. metadata: the builder gives requests that evicted physical ``seq_lens`` /
+     ``slot_mapping`` / ``max_seq_len`` (``physical_view``) before the stock
+     build, so FA's scheduler metadata is computed from physical lengths too;
+  2. KV write: ``forward_includes_kv_cache_update = True``; ``forward`` calls
+     the stock ``do_kv_cache_update`` (``reshape_and_cache_flash``) with the
+     metadata's (physical) slot mapping;
+  3. scores: after attention, H2O scores are accumulated beside the cache,
+     read through ``NHDLayout`` (the cache is ``[NB, H, BS, 2D]``, any stride order).
+
+Two more things only matter on a GPU: the builder reports no CUDA-graph support
+while eviction is on (the physical view and the score pass are eager Python,
+and full graphs would replay the logical metadata buffers), so vLLM falls back
+to piecewise graphs with attention run eagerly; and it never reuses metadata
+across KV groups (``update_block_table`` would put back the logical slots).
+
+This module imports on the CPU-only vllm build (flash_attn.py has no CUDA
+imports at module level; its kernels are bound only when available), so it is
+unit-tested here; it has never run on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.utils.torch_utils import is_quantized_kv_cache
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
+
+try:
+    from vllm.v1.attention.backends.flash_attn import (
+        FlashAttentionBackend,
+        FlashAttentionImpl,
+        FlashAttentionMetadataBuilder,
+    )
+except ImportError as e:  # keep the reason: the caller decides whether it matters
+    raise ImportError(f"vllm_kvevict's CUDA backend needs vLLM's FlashAttention "
+                      f"backend module, which does not import here: {e}") from e
+
+from vllm_kvevict.integration.attention_common import (
+    eviction_config,
+    evictable_spec,
+    physical_view,
+)
+from vllm_kvevict.integration.scores import accumulate_scores
+from vllm_kvevict.integration.worker import init_worker_state, worker_state
+from vllm_kvevict.nhd_layout import NHDLayout
+
+
+class EvictingFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.state = worker_state()
+        if self.state is not None:
+            # Reused metadata gets the group's logical slot mapping back.
+            self.supports_update_block_table = False
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        if eviction_config(vllm_config).enabled:
+            return AttentionCGSupport.NEVER
+        return super().get_cudagraph_support(vllm_config, kv_cache_spec)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        cm = common_attn_metadata
+        if self.state is not None:
+            evicted = self.state.evicted_per_row(cm.num_reqs)
+            if evicted is not None:
+                cm = physical_view(cm, evicted, self.block_size)
+        return super().build(common_prefix_len, cm, fast_build)
+
+
+class EvictingFlashAttentionImpl(FlashAttentionImpl):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        vllm_config = get_current_vllm_config()
+        cfg = eviction_config(vllm_config)
+        # Model init runs inside the config context; the state is made here, as on CPU.
+        init_worker_state(vllm_config, cfg, vllm_config.cache_config.block_size)
+        # On CUDA the block size is final only after model load
+        # (update_block_size_for_backend), so it is read when the cache arrives.
+        self.cache_config = vllm_config.cache_config
+        if cfg.enabled and (self.alibi_slopes is not None or self.logits_soft_cap
+                            or tuple(self.sliding_window) != (-1, -1)
+                            or self.sinks is not None or self.dcp_world_size > 1
+                            or is_quantized_kv_cache(self.kv_cache_dtype)):
+            raise ValueError("--kv-eviction supports plain causal attention only (no "
+                             "ALiBi, soft-cap, sliding window, sinks, DCP or fp8 KV cache)")
+
+    def _layout(self, kv_cache: torch.Tensor) -> NHDLayout:
+        """NHDLayout of this layer's cache, checked against the block size that
+        compaction uses (it addresses slots as manager block * BS + offset)."""
+        layout = NHDLayout.for_cache(kv_cache)
+        sizes = {layout.block_size, self.cache_config.block_size, worker_state().block_size}
+        if len(sizes) > 1:
+            raise ValueError(f"--kv-eviction needs one block size; kernel blocks "
+                             f"{layout.block_size}, --block-size "
+                             f"{self.cache_config.block_size}, eviction state "
+                             f"{worker_state().block_size}")
+        return layout
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if attn_metadata is None:  # profiling run: the stock path zero-fills
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata,
+                                   output, output_scale, output_block_scale)
+        n = attn_metadata.num_actual_tokens
+        # The backend owns the KV write (forward_includes_kv_cache_update); layers
+        # that share an earlier layer's cache write nothing, as in the stock path.
+        if (key is not None and value is not None
+                and self.kv_sharing_target_layer_name is None):
+            self.do_kv_cache_update(layer, key[:n], value[:n], kv_cache,
+                                    attn_metadata.slot_mapping[:n])
+        out = super().forward(layer, query, key, value, kv_cache, attn_metadata,
+                              output, output_scale, output_block_scale)
+        state = worker_state()
+        if state is None or self.attn_type != AttentionType.DECODER:
+            return out
+        lc = state.layer(layer.layer_name, kv_cache, self._layout)
+        if state.policy.needs_scores:
+            key_cache, _ = lc.layout.split(kv_cache)
+            accumulate_scores(lc.scores, lc.layout, key_cache, query[:n],
+                              attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                              attn_metadata.block_table, attn_metadata.slot_mapping,
+                              self.scale)
+        return out
+
+
+class EvictingFlashAttentionBackend(FlashAttentionBackend):
+    forward_includes_kv_cache_update: bool = True
+
+    @staticmethod
+    def get_name() -> str:
+        # Attention.__init__ maps this name back through AttentionBackendEnum[...];
+        # CUSTOM is the member whose registered class is this one.
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls():
+        return EvictingFlashAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return EvictingFlashAttentionMetadataBuilder
+
+    @classmethod
+    def customize_spec(cls, spec):
+        return evictable_spec(super().customize_spec(spec))
