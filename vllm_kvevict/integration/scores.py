@@ -41,21 +41,27 @@ def score_queries(scores: torch.Tensor, layout, key_cache: torch.Tensor,
     m = kt.shape[-1]
     pos = torch.arange(m, device=dev)
     # Padding sees key 0 (a finite softmax) and is then weighted by 0.
-    hidden = pos >= visible.clamp(min=1)[..., None]  # (R, Q, M)
-    weight = (visible > 0).to(torch.float32)
-    acc = torch.zeros(h, r, m, device=dev)
+    seen = visible.clamp(min=1)
+    # Keys before every query's horizon need no mask: only mask from there on
+    # (decode queries of similar-length requests differ in the last few keys).
+    m0 = int(seen.min())
+    hidden = pos[m0:] >= seen[..., None]  # (R, Q, M - m0)
+    weight = None if bool((visible > 0).all()) else (visible > 0).to(torch.float32)
+    acc = torch.zeros(r, h, m, device=dev)
     tile = max(1, _TILE_ELEMENTS // max(1, r * hq * m))
     for t0 in range(0, nq, tile):
         q = queries[:, t0:t0 + tile].to(torch.float32) * scale
         t = q.shape[1]
         q = q.view(r, t, h, g, d).permute(0, 2, 1, 3, 4).reshape(r, h, t * g, d)
         logits = torch.matmul(q, kt).view(r, h, t, g, m)
-        logits.masked_fill_(hidden[:, None, t0:t0 + t, None, :], float("-inf"))
+        logits[..., m0:].masked_fill_(hidden[:, None, t0:t0 + t, None, :], float("-inf"))
         probs = logits.softmax(dim=-1).sum(dim=3)  # (R, H, T, M)
-        acc += torch.einsum("rhtm,rt->hrm", probs, weight[:, t0:t0 + t])
+        if weight is not None:
+            probs *= weight[:, None, t0:t0 + t, None]
+        acc += probs.sum(dim=2)
     reach = pos[None, :] < visible.max(dim=1).values[:, None]  # (R, M)
     slots = block_rows[:, pos // bs].to(dev, torch.int64) * bs + pos % bs
-    scores.index_add_(1, slots[reach], acc[:, reach])
+    scores.index_add_(1, slots[reach], acc.transpose(0, 1)[:, reach])
 
 
 def accumulate_scores(scores: torch.Tensor, layout, key_cache: torch.Tensor,
