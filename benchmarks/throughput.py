@@ -96,7 +96,8 @@ class StepRecorder(BlockProbe):
     """vLLM's BlockProbe plus per-step traces, sampled after every schedule()
     that scheduled work."""
 
-    def __post_init__(self) -> None:
+    def __init__(self, scheduler) -> None:
+        super().__init__(scheduler)
         managers = self.managers()
         assert len(managers) == 1, f"expected one KV cache group, got {len(managers)}"
         self.manager = managers[0]

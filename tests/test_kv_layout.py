@@ -219,7 +219,7 @@ def test_compaction_path_moves_tokens_and_scores(isa, dtype, bs, d, h, path):
     different subset per head, in place over the same blocks. The cache equals
     the stock writer storing the kept tokens (the rest of the last block zeroed),
     other requests' blocks are untouched, and scores move with their tokens."""
-    from vllm_kvevict.compaction import compact
+    from vllm_kvevict.compaction import compact, move_scores
 
     gen = torch.Generator().manual_seed(13 * bs + d + h)
     L = _layout(isa, dtype, bs, d, h, path)
@@ -244,7 +244,30 @@ def test_compaction_path_moves_tokens_and_scores(isa, dtype, bs, d, h, path):
     old_slots = _slots(table[0], torch.arange(n_old), bs)
     expected_scores[:, dst[:n_new]] = scores[:, old_slots].gather(1, keep)
 
-    src_blocks = table[0, : (n_old + bs - 1) // bs].long()
-    compact(L, kc, vc, scores, src_blocks, src_blocks[:n_dst], keep)
+    src_blocks = table[:1, : (n_old + bs - 1) // bs].long()
+    compact(L, kc, vc, src_blocks, src_blocks[:, :n_dst], keep[None])
+    move_scores(scores, old_slots[None], dst[None, :n_new], keep[None])
     assert torch.equal(kv, expected)
     assert torch.equal(scores, expected_scores)
+
+
+@pytest.mark.parametrize("isa,dtype,bs,d,h", [c for c in CASES if c[2] == 32 and c[3] == 64],
+                         ids=[i for c, i in zip(CASES, IDS) if c[2] == 32 and c[3] == 64])
+def test_batched_compaction_equals_one_row_at_a_time(isa, dtype, bs, d, h):
+    """Scenario: the worker compacts one request in every layer at once (rows =
+    layers, blocks offset per layer). Two rows in one call leave the cache exactly
+    as two one-row calls do."""
+    from vllm_kvevict.compaction import compact
+
+    gen = torch.Generator().manual_seed(h + bs)
+    L = _layout(isa, dtype, bs, d, h, "strided")
+    kv, kc, vc = _cache(dtype, bs, d, h)
+    kv.copy_(torch.randn(kv.shape, generator=gen).to(dtype))
+    src = torch.tensor([[0, 1, 2], [6, 7, 8]])
+    keep = torch.stack([torch.stack([torch.randperm(3 * bs - 5, generator=gen)[:bs + 1].sort().values
+                                     for _ in range(h)]) for _ in range(2)])  # (2, H, bs+1)
+    one = kv.clone()
+    for r in range(2):
+        compact(L, *split_kv_cache(one), src[r:r + 1], src[r:r + 1, :2], keep[r:r + 1])
+    compact(L, kc, vc, src, src[:, :2], keep)
+    assert torch.equal(kv, one)

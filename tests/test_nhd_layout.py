@@ -181,7 +181,7 @@ def test_write_blocks(dtype, h, bs, layout):
     kc, vc = lay.split(kv)
     blocks = torch.tensor([6, 1, 8])
     k, v = torch.randn(h, 3 * bs, D), torch.randn(h, 3 * bs, D)
-    lay.write_blocks(kc, vc, blocks, k, v)
+    lay.write_blocks(kc, vc, blocks[None], k[None], v[None])
     for hh, p in itertools.product(range(h), range(3 * bs)):
         ek, ev = ref_kv(expect, int(blocks[p // bs]), p % bs, hh)
         ek.copy_(k[hh, p]), ev.copy_(v[hh, p])
@@ -195,7 +195,7 @@ def test_compact_through_nhd_layout(dtype, h, bs, layout):
     """The worker's one compaction path (vllm_kvevict.compaction) on this layout:
     per head, kept tokens and their scores packed in order into the first
     destination slots, the rest of the last destination block zeroed."""
-    from vllm_kvevict.compaction import compact
+    from vllm_kvevict.compaction import compact, move_scores
 
     kv = make_cache(dtype, h, bs, layout)
     lay = NHDLayout.for_cache(kv)
@@ -207,7 +207,9 @@ def test_compact_through_nhd_layout(dtype, h, bs, layout):
     keep = torch.stack([torch.randperm(old_len, generator=g)[:new_len].sort().values
                         for _ in range(h)])
     snap, snap_scores = kv.clone(), scores.clone()
-    compact(lay, kc, vc, scores, src, dst, keep)
+    compact(lay, kc, vc, src[None], dst[None], keep[None])
+    slots = lambda blocks, n: blocks[torch.arange(n) // bs] * bs + torch.arange(n) % bs  # noqa: E731
+    move_scores(scores, slots(src, old_len)[None], slots(dst, new_len)[None], keep[None])
     for hh, j in itertools.product(range(h), range(2 * bs)):
         d_slot = int(dst[j // bs]) * bs + j % bs
         got = ref_kv(kv, d_slot // bs, d_slot % bs, hh)
@@ -254,7 +256,8 @@ def test_device_agnostic():
         kc, vc = lay.split(kv)
         k, v = lay.read_tokens(kc, vc, blk, blk)
         lay.write_tokens(kc, vc, blk, blk, k, v)
-        lay.write_blocks(kc, vc, blk[0, :3], k[:, :3].repeat(1, 16, 1), v[:, :3].repeat(1, 16, 1))
+        lay.write_blocks(kc, vc, blk[:1, :3], k[None, :, :3].repeat(1, 1, 16, 1),
+                         v[None, :, :3].repeat(1, 1, 16, 1))
         out = [lay.gather_keys(kc, bt, 3), lay.gather_values(vc, bt, 3),
                lay.gather_keys_t(kc, bt, 3)]
     assert spy.ops == []
@@ -264,14 +267,16 @@ def test_device_agnostic():
 def test_compact_device_agnostic():
     """As the worker calls it: block ids and keep from CPU lists, cache and
     scores on the accelerator ('meta' here)."""
-    from vllm_kvevict.compaction import compact
+    from vllm_kvevict.compaction import compact, move_scores
 
     kv = torch.empty(NB, 2, 16, 2 * D, dtype=torch.bfloat16, device="meta")
     lay = NHDLayout.for_cache(kv)
     kc, vc = lay.split(kv)
     scores = torch.empty(2, NB * 16, device="meta")
-    keep = torch.zeros(2, 20, dtype=torch.long, device="meta")  # policy.select output
-    src, dst = torch.tensor([3, 4]), torch.tensor([3, 4])
+    keep = torch.zeros(1, 2, 20, dtype=torch.long, device="meta")  # policy.select output
+    src, dst = torch.tensor([[3, 4]]), torch.tensor([[3, 4]])
+    src_slots, dst_slots = torch.arange(3 * 16, 5 * 16)[None], torch.arange(3 * 16, 3 * 16 + 20)[None]
     with CPUTensorSpy() as spy:
-        compact(lay, kc, vc, scores, src, dst, keep)
+        compact(lay, kc, vc, src, dst, keep)
+        move_scores(scores, src_slots, dst_slots, keep)
     assert spy.ops == []

@@ -187,25 +187,25 @@ class KVLayout:
     # -- whole blocks ----------------------------------------------------
     def write_blocks(self, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Overwrite whole blocks: ``k, v: [H, len(block_ids)*BS, D]`` in token
-        order (the inverse of ``gather_keys``/``gather_values`` for one row).
-        One block-indexed copy per cache instead of an element scatter (measured
-        ~20x faster than ``write_tokens`` for a 160-token compaction)."""
-        n = block_ids.numel()
+        """Overwrite whole (distinct) blocks: ``block_ids: [B, n]``, ``k, v:
+        [B, H, n*BS, D]`` in token order (the inverse of ``gather_keys`` /
+        ``gather_values``). One block-indexed copy per cache instead of an
+        element scatter (measured ~20x faster than ``write_tokens`` for a
+        160-token compaction)."""
+        b, n = block_ids.shape
+        h, bs, d = self.num_kv_heads, self.block_size, self.head_size
+        blocks = block_ids.long().flatten()
         for c, t, m, x in ((key_cache, self.k_tiles, self.k_map, k),
                            (value_cache, self.v_tiles, self.v_map, v)):
-            x = x.to(self.dtype)
-            if t is None:
-                off = torch.arange(n * self.block_size)
-                blk = block_ids.long()[off // self.block_size]
-                dst, idx, shape = self._index(c, t, m, blk.expand(self.num_kv_heads, -1),
-                                              (off % self.block_size).expand(self.num_kv_heads, -1))
-                dst[idx] = x.reshape(shape)
+            x = x.to(self.dtype).reshape(b, h, n, bs, d).transpose(1, 2).reshape(b * n, h, bs, d)
+            if t is None:  # element scatter through the discovered map
+                tok = torch.arange(b * n * bs)
+                blk, off = blocks[tok // bs].expand(h, -1), (tok % bs).expand(h, -1)
+                dst, idx, _ = self._index(c, t, m, blk, off)
+                dst[idx] = x.transpose(0, 1).reshape(h, -1, d)
                 continue
             t0, d0 = t[0], t[1]
-            h, bs, d = self.num_kv_heads, self.block_size, self.head_size
-            dense = x.reshape(h, n, bs // t0, t0, d // d0, d0).transpose(0, 1)
-            self._view6(c, t)[block_ids.long()] = dense
+            self._view6(c, t)[blocks] = x.view(b * n, h, bs // t0, t0, d // d0, d0)
 
     # -- whole-block gathers ---------------------------------------------
     def _gather(self, cache, tiles, m, block_table, num_blocks):

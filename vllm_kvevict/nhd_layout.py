@@ -82,17 +82,17 @@ class NHDLayout:
 
     def write_blocks(self, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Overwrite whole (distinct) blocks: ``k, v: [H, len(block_ids)*BS, D]``
-        in token order, the inverse of ``gather_keys``/``gather_values`` for one
-        row; one block-indexed copy per cache."""
+        """Overwrite whole (distinct) blocks: ``block_ids: [B, n]``, ``k, v:
+        [B, H, n*BS, D]`` in token order, the inverse of ``gather_keys`` /
+        ``gather_values``; one block-indexed copy per cache."""
         dev = key_cache.device
         blk = block_ids.to(dev, torch.long)
-        n, h, bs, d = blk.numel(), self.num_kv_heads, self.block_size, self.head_size
+        (b, n), h, bs, d = blk.shape, self.num_kv_heads, self.block_size, self.head_size
         for cache, x in ((key_cache, k), (value_cache, v)):
             if x.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr():
                 x = x.clone()
-            x = x.to(device=dev, dtype=cache.dtype).reshape(h, n, bs, d)
-            cache[blk] = x.permute(1, 2, 0, 3)  # [n, BS, H, D]
+            x = x.to(device=dev, dtype=cache.dtype).reshape(b, h, n, bs, d)
+            cache[blk.flatten()] = x.permute(0, 2, 3, 1, 4).reshape(b * n, bs, h, d)
 
     def _gather(self, cache: torch.Tensor, block_table: torch.Tensor,
                 num_blocks: int | None) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vllm_kvevict.compaction import compact
+from vllm_kvevict.compaction import compact, move_scores
 from vllm_kvevict.config import EvictionConfig
 from vllm_kvevict.integration.decode_log import DecodeQueryLog, StepPlacement
 from vllm_kvevict.integration.plans import STEP_ATTR, CompactionPlan, EvictionStep
@@ -33,6 +33,44 @@ class LayerCache:
     kv_cache: torch.Tensor  # the backend's layer cache, e.g. CPU (NB, H, BS, 2 * D)
     layout: Any  # KVLayout (CPU) or NHDLayout (FlashAttention): split/read/write/gather
     scores: torch.Tensor  # (H, num_blocks * BS) float32
+
+
+@dataclass
+class LayerStack:
+    """Consecutive layers whose caches are equally spaced slices of one buffer,
+    seen as one cache: layer l's block b is block l * num_blocks + b of
+    `kv_cache`, and its score of slot s is column l * num_blocks * BS + s of
+    `scores`. Compacting a request then costs one gather and one write for all
+    layers instead of one per layer."""
+
+    kv_cache: torch.Tensor  # (num_layers * num_blocks, ...) view of the buffer
+    layout: Any
+    num_layers: int
+    num_blocks: int
+    scores: torch.Tensor  # (H, num_layers * num_blocks * BS) float32
+
+    @classmethod
+    def build(cls, layers: list[LayerCache]) -> list["LayerStack"]:
+        """One stack for all layers if their caches allow it, else one per layer.
+        Re-homes the layers' score buffers into the stack's (as views)."""
+        kv0, lay0 = layers[0].kv_cache, layers[0].layout
+        nb, step = kv0.shape[0], kv0.stride(0) * kv0.shape[0]
+        uniform = all(
+            lc.kv_cache.shape == kv0.shape and lc.kv_cache.stride() == kv0.stride()
+            and lc.kv_cache.dtype == kv0.dtype and lc.layout is lay0
+            and lc.kv_cache.untyped_storage().data_ptr() == kv0.untyped_storage().data_ptr()
+            and lc.kv_cache.storage_offset() == kv0.storage_offset() + i * step
+            for i, lc in enumerate(layers))
+        if not uniform:
+            return [cls(lc.kv_cache, lc.layout, 1, lc.kv_cache.shape[0], lc.scores)
+                    for lc in layers]
+        n = len(layers)
+        kv = kv0.as_strided((n * nb, *kv0.shape[1:]), kv0.stride(), kv0.storage_offset())
+        per_layer = layers[0].scores.shape[1]
+        scores = torch.cat([lc.scores for lc in layers], dim=1)
+        for i, lc in enumerate(layers):
+            lc.scores = scores[:, i * per_layer:(i + 1) * per_layer]
+        return [cls(kv, lay0, n, nb, scores)]
 
 
 @dataclass
@@ -54,6 +92,7 @@ class WorkerEviction:
         self.kept: dict[str, KeptRecord] = {}
         self.record_kept = False  # tests turn this on
         self.decode_log = DecodeQueryLog()
+        self._stack_cache: list[LayerStack] | None = None
         self._step_open = False  # a begin_step not yet matched by place_decode_queries
 
     # --- registration ---------------------------------------------------------
@@ -73,6 +112,7 @@ class WorkerEviction:
                                  device=kv_cache.device)
             lc = LayerCache(kv_cache, layout, scores)
             self.layers[name] = lc
+            self._stack_cache = None  # the layer set changed: re-stack on next use
         return lc
 
     # --- per step (called before the runner's _update_states) -------------------
@@ -123,6 +163,14 @@ class WorkerEviction:
 
     # --- compaction -------------------------------------------------------------
 
+    def _stacks(self) -> list["LayerStack"]:
+        """The layers as few `LayerStack`s as possible: one when every layer's
+        cache is an equally spaced slice of one buffer (vLLM allocates them so
+        on CPU), else one per layer. Built once the layers are known."""
+        if self._stack_cache is None:
+            self._stack_cache = LayerStack.build(list(self.layers.values()))
+        return self._stack_cache
+
     def _compact(self, plan: CompactionPlan) -> None:
         runner = self.runner
         req_state = runner.requests.get(plan.req_id) if runner else None
@@ -133,20 +181,30 @@ class WorkerEviction:
         dst_blocks = torch.tensor(plan.dst_block_ids, dtype=torch.int64)
         j = torch.arange(plan.old_len)
         src = src_blocks[j // bs] * bs + j % bs  # (old_len,) slots of the old tokens
+        dst = dst_blocks[j[: plan.new_len] // bs] * bs + j[: plan.new_len] % bs
         keep_recent = self.cfg.recent_tokens(plan.new_len, plan.logical_len)
+        logical = self._logical_positions(self.kept.get(plan.req_id), plan)
         kept_positions = []
-        prev = self.kept.get(plan.req_id)
-        logical = self._logical_positions(prev, plan)
-        for li, lc in enumerate(self.layers.values()):
-            h = lc.scores.shape[0]
-            keep = self.policy.select(lc.scores[:, src], plan.new_len, keep_recent)
-            kc, vc = lc.layout.split(lc.kv_cache)
-            compact(lc.layout, kc, vc, lc.scores, src_blocks, dst_blocks, keep)
+        first = 0
+        for st in self._stacks():
+            # Row l of every tensor below is layer `first + l` of this stack.
+            layer = torch.arange(st.num_layers)[:, None]
+            src_slots = src[None] + layer * st.num_blocks * bs  # (L, old_len)
+            scores = st.scores[:, src_slots].transpose(0, 1)  # (L, H, old_len)
+            num_layers, h, _ = scores.shape
+            keep = self.policy.select(scores.reshape(num_layers * h, -1), plan.new_len,
+                                      keep_recent).view(num_layers, h, plan.new_len)
+            kc, vc = st.layout.split(st.kv_cache)
+            compact(st.layout, kc, vc, src_blocks[None] + layer * st.num_blocks,
+                    dst_blocks[None] + layer * st.num_blocks, keep)
+            move_scores(st.scores, src_slots, dst[None] + layer * st.num_blocks * bs, keep)
             if self.record_kept:
-                pos = logical[li] if logical.dim() == 3 else logical.expand(h, -1)
-                kept_positions.append(pos.gather(1, keep))
+                pos = (logical[first:first + num_layers] if logical.dim() == 3
+                       else logical.expand(num_layers, h, -1))
+                kept_positions.append(pos.gather(2, keep.to(pos.device)))
+            first += num_layers
         if self.record_kept:
-            self.kept[plan.req_id] = KeptRecord(torch.stack(kept_positions), plan.logical_len)
+            self.kept[plan.req_id] = KeptRecord(torch.cat(kept_positions), plan.logical_len)
         # The request's row is now exactly dst; this step's new blocks follow.
         req_state.block_ids[plan.group_id][:] = list(plan.dst_block_ids)
         batch = runner.input_batch
