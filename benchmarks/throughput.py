@@ -342,7 +342,14 @@ def _fmt(v, spec=""):
 
 
 def stock_of(results: list[dict]) -> dict | None:
-    return next((r for r in results if r["policy"] == "none" and r.get("ok")), None)
+    return next((r for r in results if r["policy"] == "none" and r.get("ok")
+                 and r.get("pool_multiple", 1) == 1), None)
+
+
+def label(r: dict) -> str:
+    """'none', 'none, 5x pool' or 'h2o'."""
+    m = r.get("pool_multiple", 1)
+    return r["policy"] if m == 1 else f"{r['policy']}, {m}x pool"
 
 
 def divergence(r: dict, stock: dict | None) -> float | None:
@@ -363,7 +370,7 @@ def _kept(r: dict) -> str:
 
 def _failed_row(r: dict, ncols: int) -> str:
     budget = r["budget"] if r["policy"] != "none" else "-"
-    return f"| {r['policy']} | {budget} | FAILED: {r.get('error')} |" + " |" * (ncols - 3)
+    return f"| {label(r)} | {budget} | FAILED: {r.get('error')} |" + " |" * (ncols - 3)
 
 
 def table_constrained(results: list[dict]) -> str:
@@ -379,7 +386,7 @@ def table_constrained(results: list[dict]) -> str:
         budget = r["budget"] if r["policy"] != "none" else "-"
         speed = r["out_tok_s"] / stock["out_tok_s"] if stock else None
         lines.append(
-            f"| {r['policy']} | {budget} | {r['finished']}/{r['requests']} "
+            f"| {label(r)} | {budget} | {r['finished']}/{r['requests']} "
             f"| {r['out_tok_s']:.1f} | {_fmt(speed, '.2f')}x "
             f"| {r['peak_blocks']}/{r['num_gpu_blocks'] - 1} | {r['mean_running']:.1f} "
             f"| {r['preemptions']} | {r['max_blocks_per_request']} | {_kept(r)} "
@@ -414,7 +421,8 @@ def notes(results: list[dict]) -> str:
     for r in results:
         if not r.get("ok"):
             continue
-        name = "stock" if r["policy"] == "none" else f"{r['policy']}@{r['budget']}"
+        name = ("stock" if r.get("pool_multiple", 1) == 1 else f"stock {r['pool_multiple']}x pool"
+                ) if r["policy"] == "none" else f"{r['policy']}@{r['budget']}"
         d = divergence(r, stock)
         reps = ", ".join(f"{v:.1f}" for v in r["repeat_out_tok_s"])
         load = f"{r['loadavg_before'][0]:.1f}->{r['loadavg_after'][0]:.1f}"
@@ -438,7 +446,7 @@ def plot(results_c: list[dict], results_a: list[dict], path: str) -> None:
                                      ("memory ample", results_a)) if rs]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
     for ax, (title, rs) in zip(axes[0], panels):
-        labels = [r["policy"] if r["policy"] == "none" else f"{r['policy']}\nbudget {r['budget']}"
+        labels = [label(r) if r["policy"] == "none" else f"{r['policy']}\nbudget {r['budget']}"
                   for r in rs]
         vals = [r["out_tok_s"] if r.get("ok") else 0.0 for r in rs]
         colors = ["tab:gray" if r["policy"] == "none" else
@@ -473,6 +481,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=None, help="default 512")
     p.add_argument("--pool-tokens", type=int, default=None,
                    help="KV pool size in tokens, rounded up to whole blocks (default 8192)")
+    p.add_argument("--stock-pool-multiples", nargs="*", type=int, default=[5],
+                   help="also run stock vLLM with the constrained pool times these "
+                        "(default: 5); pass none to skip")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=None, help="default 1024")
     p.add_argument("--dtype", default="bfloat16")
@@ -530,6 +541,12 @@ def configs(args, model: str) -> tuple[list[dict], list[dict]]:
     constrained = [dict(common, table="constrained", policy=p, budget=b,
                         num_requests=args.num_requests, output_len=args.output_len,
                         pool_tokens=args.pool_tokens, repeats=args.repeats) for p, b in pol]
+    # Stock vLLM with a larger pool: what eviction's throughput is worth in memory.
+    constrained += [dict(common, table="constrained", policy="none", budget=None,
+                         num_requests=args.num_requests, output_len=args.output_len,
+                         pool_tokens=args.pool_tokens * m, pool_multiple=m,
+                         repeats=args.repeats)
+                    for m in args.stock_pool_multiples if "none" in args.policies]
     ample = [dict(common, table="ample", policy=p, budget=b,
                   num_requests=args.ample_requests, output_len=args.ample_output_len,
                   pool_tokens=args.ample_pool_tokens, repeats=args.ample_repeats)
