@@ -174,3 +174,32 @@ def test_deferred_decode_scoring_equals_scoring_every_step(model_path):
         same = (pd.sort(dim=-1).values == pe.sort(dim=-1).values).all(dim=-1)
         assert same.float().mean() > 0.99, (rd, ld)  # float summation order aside
     assert outs_d == outs_e
+
+
+def test_preemption_under_eviction_gives_every_block_back(model_path):
+    """A pool of 12 blocks for 6 requests that each need up to 4 under H2O
+    (budget 64): vLLM preempts and later re-prefills some of them. Every request
+    still finishes at full length, the per-request bound holds, queries logged
+    for a preempted request are dropped with its blocks, and the pool is whole."""
+    from vllm_kvevict.integration.probe import attach
+    from vllm_kvevict.integration.worker import worker_state
+
+    llm = make_llm(model_path, max_num_batched_tokens=128, enable_prefix_caching=False,
+                   kv_cache_memory_bytes=12 * 32 * 23040,  # 12 blocks of SmolLM2 bf16
+                   additional_config={"kv_eviction": "h2o", "kv_budget": 64})
+    probe = attach(llm)
+    assert probe.block_pool.num_gpu_blocks - 1 <= 12
+    prompts = (PROMPTS + PROMPTS)[:6]
+    outs = llm.generate(prompts, greedy(200, ignore_eos=True))
+    assert probe.used_blocks() == 0
+    ids = {o.request_id for o in outs}
+    assert set(worker_state().decode_log.row_of) & ids  # the log knows them by these ids
+    # Workers hear of finished requests with the next step: run one more.
+    llm.generate(PROMPTS[:1], greedy(2))
+    logged = set(worker_state().decode_log.row_of)
+    close(llm)
+    assert all(len(o.outputs[0].token_ids) == 200 for o in outs)
+    assert probe.preemptions > 0, "the pool should force preemptions"
+    bound = max(max_blocks_per_request(64, 32), -(-(64 + 128) // 32) + 1)  # decode / prefill
+    assert probe.max_blocks_per_request <= bound
+    assert not logged & ids, "finished requests left queries in the log"
