@@ -14,6 +14,8 @@ UPSTREAM: a plugin API to register engine CLI arguments.
 
 from __future__ import annotations
 
+import argparse
+
 from vllm_kvevict.config import FLAGS, EvictionConfig, POLICIES
 
 from . import mark_patched
@@ -21,7 +23,7 @@ from . import mark_patched
 _HELP = {
     "kv_eviction": f"KV cache eviction policy: {', '.join(POLICIES)}. h2o keeps heavy "
                    "hitters (accumulated attention) plus a recent window; streaming "
-                   "keeps attention sinks plus a recent window.",
+                   "keeps attention sinks plus a recent window. Default: none.",
     "kv_budget": "Resident KV tokens per request: a token count (e.g. 256) or a "
                  "fraction of the request's length (e.g. 0.2). Default: 1024.",
     "kv_recent": "Recent-window size inside the budget, in the budget's unit "
@@ -40,7 +42,9 @@ def apply() -> None:
             "Keep only the KV cache each request needs; freed blocks go back to "
             "vLLM's block pool.")
         for key, flag in FLAGS.items():
-            group.add_argument(flag, dest=key, default=None, help=_HELP[key],
+            # SUPPRESS: an unset flag leaves additional_config alone, and --help
+            # shows the real default from the text instead of "(default: None)".
+            group.add_argument(flag, dest=key, default=argparse.SUPPRESS, help=_HELP[key],
                                **({"choices": POLICIES} if key == "kv_eviction" else {}))
         return parser
 

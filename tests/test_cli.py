@@ -1,0 +1,53 @@
+"""The `vllm serve` flags, through vLLM's own argument parser and EngineArgs."""
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def parser():
+    import vllm_kvevict
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    vllm_kvevict.register()  # what the entry point does in every vLLM process
+    return EngineArgs.add_cli_args(FlexibleArgumentParser())
+
+
+def _engine_args(parser, *argv):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs.from_cli_args(parser.parse_args(["--model", "m", *argv]))
+
+
+def test_flags_reach_additional_config(parser):
+    args = _engine_args(parser, "--kv-eviction", "h2o", "--kv-budget", "256",
+                        "--kv-recent", "64", "--additional-config", '{"other": 1}')
+    assert args.additional_config == {"other": 1, "kv_eviction": "h2o",
+                                      "kv_budget": "256", "kv_recent": "64"}
+
+
+def test_unset_flags_leave_additional_config_alone(parser):
+    args = _engine_args(parser, "--additional-config", '{"kv_eviction": "streaming"}')
+    assert args.additional_config == {"kv_eviction": "streaming"}
+
+
+def test_bad_values_fail_at_parse_time_naming_the_flag(parser):
+    from vllm_kvevict.config import EvictionConfigError
+
+    with pytest.raises(EvictionConfigError, match="--kv-budget"):
+        _engine_args(parser, "--kv-eviction", "h2o", "--kv-budget", "lots")
+    with pytest.raises(SystemExit):  # argparse's own choices check
+        parser.parse_args(["--model", "m", "--kv-eviction", "lru"])
+
+
+def test_help_shows_each_flag_with_its_default(parser, capsys):
+    """`vllm serve --help=kv-` lists our flags with their real defaults."""
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help=kv-"])
+    text = capsys.readouterr().out
+    for flag, default in (("--kv-eviction", "Default: none."), ("--kv-budget", "Default: 1024."),
+                          ("--kv-recent", "Default: half the budget."),
+                          ("--kv-sink", "Default: 4.")):
+        start = text.index(f"\n  {flag} ")
+        entry = " ".join(text[start:start + 400].split("\n  --")[1].split())
+        assert default in entry and "(default: None)" not in entry, entry
