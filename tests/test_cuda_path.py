@@ -115,10 +115,21 @@ def test_selection_cases(kw, platform, expect):
     assert args.attention_backend == expect
 
 
+def test_selection_keeps_async_scheduling_off():
+    args = engine_args(additional_config=H2O)
+    assert args.async_scheduling is None  # vLLM would turn it on for CUDA
+    select_attention_backend(args, EvictionConfig.from_dict(H2O), CUDA_LIKE)
+    assert args.async_scheduling is False
+    with pytest.raises(EvictionConfigError, match="--async-scheduling"):
+        select_attention_backend(engine_args(additional_config=H2O, async_scheduling=True),
+                                 EvictionConfig.from_dict(H2O), CUDA_LIKE)
+
+
 def test_selection_off_and_conflicts():
     args = engine_args()
     select_attention_backend(args, EvictionConfig.from_dict({}), CUDA_LIKE)
     assert args.attention_backend is None  # eviction off: nothing changes
+    assert args.async_scheduling is None
     args = engine_args(additional_config=H2O)
     select_attention_backend(args, EvictionConfig.from_dict(H2O))  # real platform: CPU
     assert args.attention_backend is None

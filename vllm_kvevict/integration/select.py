@@ -12,7 +12,8 @@ So two steps, both cheap and GPU-free:
      class path is a string, so nothing is imported until vLLM selects it.
   2. ``select_attention_backend(engine_args, cfg)`` (from the engine-args patch,
      before ``create_engine_config`` builds the config): with eviction on a
-     CUDA platform, request CUSTOM as ``--attention-backend CUSTOM`` would.
+     CUDA platform, request CUSTOM as ``--attention-backend CUSTOM`` would,
+     and keep async scheduling off (unverified with eviction).
      Eviction off: nothing changes and the stock selection runs.
 """
 
@@ -45,6 +46,14 @@ def select_attention_backend(engine_args, cfg: EvictionConfig, platform=None) ->
     from vllm.config import AttentionConfig
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
+    # Async scheduling overlaps step t+1's scheduling (and its compaction plans)
+    # with step t's forward. Never verified with eviction on a GPU, so it stays
+    # off unless asked for, and asking for both is refused.
+    if engine_args.async_scheduling:
+        raise EvictionConfigError(
+            "--kv-eviction has not been verified with --async-scheduling; "
+            "drop --async-scheduling (it is off by default with eviction)")
+    engine_args.async_scheduling = False
     custom = AttentionBackendEnum.CUSTOM
     # vLLM parses strings ("auto" -> None) with this same validator.
     chosen = (AttentionConfig.validate_backend_before(engine_args.attention_backend)
