@@ -3,6 +3,8 @@
   eviction_config  the EvictionConfig of the engine being built
   physical_view    attention metadata with physical seq_lens / slot mapping
   evictable_spec   the KV spec swap that gives the scheduler our block manager
+  write_kv         the backend's own KV write, at the physical slots
+  score_step       H2O scores of this step's queries, after attention
 """
 
 from __future__ import annotations
@@ -11,9 +13,13 @@ from dataclasses import replace
 
 import torch
 from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import AttentionType
 
 from vllm_kvevict.config import EvictionConfig
+from vllm_kvevict.integration.scores import accumulate_scores
 from vllm_kvevict.integration.worker import worker_state
+
+PLACEMENT_ATTR = "kvevict_decode_placement"  # set on a step's attention metadata
 
 
 def eviction_config(vllm_config=None) -> EvictionConfig:
@@ -56,3 +62,34 @@ def evictable_spec(spec):
     cfg = state.cfg
     fields = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
     return EvictableAttentionSpec(**fields, eviction=tuple(sorted(cfg.to_dict().items())))
+
+
+def write_kv(impl, layer, key, value, kv_cache, attn_metadata) -> None:
+    """The backend owns the KV write (forward_includes_kv_cache_update), with the
+    metadata's physical slot mapping; layers that share an earlier layer's cache
+    write nothing, as in the stock path."""
+    n = attn_metadata.num_actual_tokens
+    if key is not None and value is not None and impl.kv_sharing_target_layer_name is None:
+        impl.do_kv_cache_update(layer, key[:n], value[:n], kv_cache,
+                                attn_metadata.slot_mapping[:n])
+
+
+def score_step(impl, layer, query, kv_cache, attn_metadata, make_layout) -> None:
+    """Register the layer's cache with the worker state and, under a scoring
+    policy, add this step's attention to the per-slot scores. Decode queries go
+    to the decode log when the builder placed them there (CPU), else are scored now."""
+    state = worker_state()
+    if state is None or impl.attn_type != AttentionType.DECODER:
+        return
+    n = attn_metadata.num_actual_tokens
+    lc = state.layer(layer.layer_name, kv_cache, make_layout)
+    if not state.policy.needs_scores:
+        return
+    placement = getattr(attn_metadata, PLACEMENT_ATTR, None)
+    if placement is not None:
+        state.decode_log.record(layer.layer_name, query[:n], placement, impl.scale)
+    key_cache, _ = lc.layout.split(kv_cache)
+    accumulate_scores(lc.scores, lc.layout, key_cache, query[:n],
+                      attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                      attn_metadata.block_table, attn_metadata.slot_mapping, impl.scale,
+                      decode=placement is None)

@@ -18,7 +18,6 @@ that path is importable without a GPU but has never run here.
 from __future__ import annotations
 
 from vllm.config import get_current_vllm_config
-from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -26,15 +25,15 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from vllm_kvevict.integration.attention_common import (
+    PLACEMENT_ATTR,
     eviction_config,
     evictable_spec,
     physical_view,
+    score_step,
+    write_kv,
 )
-from vllm_kvevict.integration.scores import accumulate_scores
 from vllm_kvevict.integration.worker import init_worker_state, worker_state
 from vllm_kvevict.kv_layout import KVLayout
-
-PLACEMENT_ATTR = "kvevict_decode_placement"  # set on the step's attention metadata
 
 
 class EvictingCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -73,29 +72,11 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
                 output_scale=None, output_block_scale=None):
         if attn_metadata is None:
             return output
-        n = attn_metadata.num_actual_tokens
-        # The backend owns the KV write (forward_includes_kv_cache_update); layers
-        # that share an earlier layer's cache write nothing, as in the stock path.
-        if (key is not None and value is not None
-                and self.kv_sharing_target_layer_name is None):
-            self.do_kv_cache_update(layer, key[:n], value[:n], kv_cache,
-                                    attn_metadata.slot_mapping[:n])
+        write_kv(self, layer, key, value, kv_cache, attn_metadata)
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata,
                               output, output_scale, output_block_scale)
-        state = worker_state()
-        if state is None or self.attn_type != AttentionType.DECODER:
-            return out
-        lc = state.layer(layer.layer_name, kv_cache,
-                         lambda kv: KVLayout.for_cache(kv, layer.isa))
-        if state.policy.needs_scores:
-            placement = getattr(attn_metadata, PLACEMENT_ATTR, None)
-            if placement is not None:  # decode queries wait in the log
-                state.decode_log.record(layer.layer_name, query[:n], placement, self.scale)
-            key_cache, _ = lc.layout.split(kv_cache)
-            accumulate_scores(lc.scores, lc.layout, key_cache, query[:n],
-                              attn_metadata.query_start_loc, attn_metadata.seq_lens,
-                              attn_metadata.block_table, attn_metadata.slot_mapping,
-                              self.scale, decode=placement is None)
+        score_step(self, layer, query, kv_cache, attn_metadata,
+                   lambda kv: KVLayout.for_cache(kv, layer.isa))
         return out
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.utils.torch_utils import is_quantized_kv_cache
-from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
+from vllm.v1.attention.backend import AttentionCGSupport
 
 try:
     from vllm.v1.attention.backends.flash_attn import (
@@ -45,8 +45,9 @@ from vllm_kvevict.integration.attention_common import (
     eviction_config,
     evictable_spec,
     physical_view,
+    score_step,
+    write_kv,
 )
-from vllm_kvevict.integration.scores import accumulate_scores
 from vllm_kvevict.integration.worker import init_worker_state, worker_state
 from vllm_kvevict.nhd_layout import NHDLayout
 
@@ -108,25 +109,10 @@ class EvictingFlashAttentionImpl(FlashAttentionImpl):
         if attn_metadata is None:  # profiling run: the stock path zero-fills
             return super().forward(layer, query, key, value, kv_cache, attn_metadata,
                                    output, output_scale, output_block_scale)
-        n = attn_metadata.num_actual_tokens
-        # The backend owns the KV write (forward_includes_kv_cache_update); layers
-        # that share an earlier layer's cache write nothing, as in the stock path.
-        if (key is not None and value is not None
-                and self.kv_sharing_target_layer_name is None):
-            self.do_kv_cache_update(layer, key[:n], value[:n], kv_cache,
-                                    attn_metadata.slot_mapping[:n])
+        write_kv(self, layer, key, value, kv_cache, attn_metadata)
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata,
                               output, output_scale, output_block_scale)
-        state = worker_state()
-        if state is None or self.attn_type != AttentionType.DECODER:
-            return out
-        lc = state.layer(layer.layer_name, kv_cache, self._layout)
-        if state.policy.needs_scores:
-            key_cache, _ = lc.layout.split(kv_cache)
-            accumulate_scores(lc.scores, lc.layout, key_cache, query[:n],
-                              attn_metadata.query_start_loc, attn_metadata.seq_lens,
-                              attn_metadata.block_table, attn_metadata.slot_mapping,
-                              self.scale)
+        score_step(self, layer, query, kv_cache, attn_metadata, self._layout)
         return out
 
 
