@@ -7,6 +7,7 @@ HOW: after the stock schedule(), drain the plans of every
      SchedulerOutput as attribute `kv_eviction` (plain dataclasses, pickled
      with the output to mp / Ray workers). Plans of requests that were freed
      in the same step (preempted, aborted) were already dropped by the manager.
+     New requests that can never exceed the budget are listed as unscored.
 UPSTREAM: a per-manager "worker metadata" hook on SchedulerOutput, or KV
      managers allowed to emit block moves (like kv_cache_block_copies) with a
      per-head index.
@@ -22,6 +23,7 @@ def apply() -> None:
 
     from vllm_kvevict.integration.plans import STEP_ATTR, EvictionStep
     from vllm_kvevict.integration.spec import EvictableAttentionManager
+    from vllm_kvevict.planner import never_compacts
 
     def schedule(self, *args, **kwargs):
         output = schedule.__kvevict_original__(self, *args, **kwargs)
@@ -34,6 +36,12 @@ def apply() -> None:
                 step.plans.extend(plans)
                 step.released.extend(released)
                 step.evicted.update({r: n for r, n in m.evicted.items() if n})
+            cfg = managers[0].cfg
+            for new in output.scheduled_new_reqs:
+                req = self.requests.get(new.req_id)
+                if req is not None and never_compacts(cfg, req.num_prompt_tokens,
+                                                      req.max_tokens):
+                    step.unscored.append(new.req_id)
             setattr(output, STEP_ATTR, step)
         return output
 

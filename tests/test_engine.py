@@ -91,6 +91,25 @@ def test_aborted_requests_free_everything(h2o_engine):
     assert _pool_is_whole(probe)
 
 
+def test_requests_that_never_exceed_the_budget_are_not_scored(h2o_engine):
+    """At budget 64, a 20-token prompt with max_tokens 30 can never compact: the
+    workers skip its scoring (the score buffers stay zero); a long request is scored."""
+    import torch
+
+    from vllm_kvevict.integration.worker import worker_state
+
+    llm, _ = h2o_engine
+    state = worker_state()
+    with torch.inference_mode():  # the buffers were made inside vLLM's inference mode
+        for lc in state.layers.values():
+            lc.scores.zero_()
+    ids = llm.get_tokenizer()(PROMPTS[0])["input_ids"][:20]
+    llm.generate([{"prompt_token_ids": ids}], greedy(30, ignore_eos=True))
+    assert sum(float(lc.scores.abs().sum()) for lc in state.layers.values()) == 0
+    llm.generate([{"prompt_token_ids": ids}], greedy(60, ignore_eos=True))
+    assert sum(float(lc.scores.abs().sum()) for lc in state.layers.values()) > 0
+
+
 def test_bad_settings_stop_engine_startup(model_path):
     """Nothing half-configured: the engine refuses to start, naming the flag."""
     from vllm_kvevict.config import EvictionConfigError
@@ -204,3 +223,4 @@ def test_preemption_under_eviction_gives_every_block_back(model_path):
     bound = max(max_blocks_per_request(64, 32), -(-(64 + 128) // 32) + 1)  # decode / prefill
     assert probe.max_blocks_per_request <= bound
     assert not leftover, "finished requests left queries in the log"
+

@@ -35,3 +35,14 @@ def test_planner_decode_and_chunk_boundaries():
     assert compaction_target(cfg, 64, 64, in_prefill=True, block_size=32) is None
     off = EvictionConfig.from_dict({"kv_eviction": "none"})
     assert compaction_target(off, 10_000, 10_000, False, 32) is None
+
+
+def test_never_compacts_only_when_the_whole_request_fits_a_token_budget():
+    from vllm_kvevict.config import EvictionConfig
+    from vllm_kvevict.planner import never_compacts
+
+    h2o = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 256})
+    assert never_compacts(h2o, 200, 56) and not never_compacts(h2o, 200, 57)
+    frac = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 0.5})
+    assert not never_compacts(frac, 10, 10)  # a fraction of the length always bites
+    assert not never_compacts(EvictionConfig(), 10, 10)  # eviction off

@@ -71,3 +71,19 @@ def test_accumulate_scores_prefill_is_causal_and_resets_new_slots():
     _dense(want, keys, query[5:][None], torch.tensor([[20]]), table[1:], 0.2)
     accumulate_scores(got, layout, kc, query, qsl, seq, table, slot_mapping, 0.2)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_accumulate_scores_skips_unscored_rows():
+    """rows=False requests (never compacted) get no scores; the others do."""
+    gen = torch.Generator().manual_seed(6)
+    layout, kc, keys = _paged(3, gen, torch.float32)
+    table = torch.stack([torch.arange(0, 4), torch.arange(4, 8)])
+    seq, qsl = torch.tensor([30, 20]), torch.tensor([0, 1, 2])
+    slot_mapping = torch.tensor([29, 4 * BS + 19])
+    query = torch.randn(2, 9, D, generator=gen)
+    got, want = torch.zeros(3, NB * BS), torch.zeros(3, NB * BS)
+    _dense(want, keys, query[1:][None, :], torch.tensor([[20]]), table[1:], 0.2)
+    accumulate_scores(got, layout, kc, query, qsl, seq, table, slot_mapping, 0.2,
+                      rows=torch.tensor([False, True]))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got[:, : 4 * BS].sum() == 0

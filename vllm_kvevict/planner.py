@@ -27,6 +27,14 @@ def compaction_target(cfg: EvictionConfig, physical: int, logical: int,
     return budget if physical > limit else None
 
 
+def never_compacts(cfg: EvictionConfig, prompt_len: int, max_tokens: int) -> bool:
+    """True when a request can never exceed a token budget: its scores would
+    never be read, so the workers skip scoring it (most chat requests under the
+    default 1024-token budget). Fractional budgets always may compact."""
+    return (cfg.enabled and isinstance(cfg.budget, int)
+            and prompt_len + max_tokens <= cfg.budget)
+
+
 def max_blocks_per_request(budget: int, block_size: int) -> int:
     """The bound the issue states for decode: ceil((budget + bs) / bs) + 1."""
     return -(-(budget + block_size) // block_size) + 1

@@ -20,6 +20,7 @@ from vllm_kvevict.integration.scores import accumulate_scores
 from vllm_kvevict.integration.worker import worker_state
 
 PLACEMENT_ATTR = "kvevict_decode_placement"  # set on a step's attention metadata
+SCORED_ATTR = "kvevict_scored_rows"  # (num_reqs,) bool, or None for all rows
 
 
 def eviction_config(vllm_config=None) -> EvictionConfig:
@@ -92,4 +93,5 @@ def score_step(impl, layer, query, kv_cache, attn_metadata, make_layout) -> None
     accumulate_scores(lc.scores, lc.layout, key_cache, query[:n],
                       attn_metadata.query_start_loc, attn_metadata.seq_lens,
                       attn_metadata.block_table, attn_metadata.slot_mapping, impl.scale,
-                      decode=placement is None)
+                      decode=placement is None,
+                      rows=getattr(attn_metadata, SCORED_ATTR, None))

@@ -26,6 +26,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from vllm_kvevict.integration.attention_common import (
     PLACEMENT_ATTR,
+    SCORED_ATTR,
     eviction_config,
     evictable_spec,
     physical_view,
@@ -49,9 +50,11 @@ class EvictingCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         if evicted is not None:
             cm = physical_view(cm, evicted, self.block_size)
         metadata = super().build(common_prefix_len, cm, fast_build)
+        scored = self.state.scored_rows(cm.num_reqs)
         placement = self.state.place_decode_queries(cm.num_reqs, cm.query_start_loc_cpu,
-                                                    cm.seq_lens[: cm.num_reqs].cpu())
+                                                    cm.seq_lens[: cm.num_reqs].cpu(), scored)
         setattr(metadata, PLACEMENT_ATTR, placement)
+        setattr(metadata, SCORED_ATTR, scored)
         return metadata
 
 

@@ -70,21 +70,23 @@ class DecodeQueryLog:
     def full(self) -> bool:
         return any(c >= self.depth for c in self.count.values())
 
-    def place(self, req_ids: list[str], q_lens: list[int], seq_lens: list[int]
-              ) -> StepPlacement:
-        """Give each single-query row a log slot; drop rows being prefilled.
-        The caller flushes first if `full()`. seq_lens are physical."""
+    def place(self, req_ids: list[str], q_lens: list[int], seq_lens: list[int],
+              scored: list[bool] | None = None) -> StepPlacement:
+        """Give each single-query row a log slot (rows with scored False get
+        none); drop rows being prefilled. The caller flushes first if `full()`.
+        seq_lens are physical."""
         tokens, cells = [], []
         start = 0
-        for req_id, n, s in zip(req_ids, q_lens, seq_lens):
-            if n == 1:
+        scored = scored or [True] * len(req_ids)
+        for req_id, n, s, keep in zip(req_ids, q_lens, seq_lens, scored):
+            if n == 1 and keep:
                 row = self._row(req_id)
                 col = self.count[req_id]
                 self.count[req_id] = col + 1
                 self.visible[row, col] = s
                 tokens.append(start)
                 cells.append(row * self.depth + col)
-            elif req_id in self.row_of:
+            elif n > 1 and req_id in self.row_of:
                 self.drop([req_id])
             start += n
         as_long = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731

@@ -42,3 +42,6 @@ class EvictionStep:
     # Requests whose blocks went back to the pool since the last step (finished,
     # aborted, preempted): workers must stop reading those blocks for them.
     released: list[str] = field(default_factory=list)
+    # Requests new this step that can never exceed the budget: nobody will read
+    # their scores, so workers do not compute them (planner.never_compacts).
+    unscored: list[str] = field(default_factory=list)

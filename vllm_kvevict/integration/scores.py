@@ -68,11 +68,12 @@ def accumulate_scores(scores: torch.Tensor, layout, key_cache: torch.Tensor,
                       query: torch.Tensor, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, block_table: torch.Tensor,
                       slot_mapping: torch.Tensor, scale: float,
-                      decode: bool = True) -> None:
+                      decode: bool = True, rows: torch.Tensor | None = None) -> None:
     """Score one step's queries from attention metadata (physical seq_lens).
 
     query: (num_tokens, H_q, D) this step's new tokens. decode=False leaves the
-    single-query rows to a `DecodeQueryLog`.
+    single-query rows to a `DecodeQueryLog`; rows: (num_reqs,) bool, score
+    only these requests (None: all).
     """
     num_tokens = query.shape[0]
     # New tokens start with zero importance, whatever the slot held before.
@@ -80,14 +81,15 @@ def accumulate_scores(scores: torch.Tensor, layout, key_cache: torch.Tensor,
     qsl = query_start_loc.long().cpu()
     q_lens = qsl[1:] - qsl[:-1]
     seq = seq_lens[: len(q_lens)].long().cpu()
+    wanted = torch.ones_like(q_lens, dtype=torch.bool) if rows is None else rows.cpu()
     if decode:
-        rows = torch.nonzero(q_lens == 1).flatten()
+        rows = torch.nonzero((q_lens == 1) & wanted).flatten()
         if rows.numel():
             nblk = -(-int(seq[rows].max()) // layout.block_size)
             score_queries(scores, layout, key_cache, query[qsl[rows].to(query.device)][:, None],
                           seq[rows, None], block_table[rows.to(block_table.device), :nblk],
                           scale)
-    for i in torch.nonzero(q_lens > 1).flatten().tolist():
+    for i in torch.nonzero((q_lens > 1) & wanted).flatten().tolist():
         n, s = int(q_lens[i]), int(seq[i])
         nblk = -(-s // layout.block_size)
         visible = torch.arange(s - n + 1, s + 1)[None]  # causal within the chunk

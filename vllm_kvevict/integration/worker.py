@@ -93,6 +93,7 @@ class WorkerEviction:
         self.record_kept = False  # tests turn this on
         self.decode_log = DecodeQueryLog()
         self._stack_cache: list[LayerStack] | None = None
+        self.unscored: set[str] = set()  # requests that never compact: no scoring
         self._step_open = False  # a begin_step not yet matched by place_decode_queries
 
     # --- registration ---------------------------------------------------------
@@ -127,6 +128,9 @@ class WorkerEviction:
         # would read them. Then score what waits for requests about to move.
         self.decode_log.drop(step.released)
         self.decode_log.drop(scheduler_output.finished_req_ids)
+        self.unscored.difference_update(step.released)
+        self.unscored.difference_update(scheduler_output.finished_req_ids)
+        self.unscored.update(step.unscored)
         self.decode_log.flush([p.req_id for p in step.plans], self.layers, self._block_ids)
         for plan in step.plans:
             self._compact(plan)
@@ -138,11 +142,19 @@ class WorkerEviction:
         req_state = self.runner.requests.get(req_id) if self.runner else None
         return None if req_state is None else req_state.block_ids[0]
 
+    def scored_rows(self, num_reqs: int) -> torch.Tensor | None:
+        """(num_reqs,) bool: rows whose attention must be scored; None = all."""
+        if not self.unscored or self.runner is None:
+            return None
+        req_ids = self.runner.input_batch.req_ids[:num_reqs]
+        return torch.tensor([r not in self.unscored for r in req_ids], dtype=torch.bool)
+
     def place_decode_queries(self, num_reqs: int, query_start_loc: torch.Tensor,
-                             seq_lens: torch.Tensor) -> StepPlacement | None:
+                             seq_lens: torch.Tensor, scored: torch.Tensor | None
+                             ) -> StepPlacement | None:
         """Once per step, from the metadata builder (physical seq_lens): log
-        slots for this step's decode queries, or None (score everything now),
-        e.g. for a second builder in the same step or a dummy run."""
+        slots for this step's scored decode queries, or None (score everything
+        now), e.g. for a second builder in the same step or a dummy run."""
         if not self._step_open or self.runner is None or not self.policy.needs_scores:
             return None
         self._step_open = False
@@ -151,7 +163,8 @@ class WorkerEviction:
         qsl = query_start_loc[: num_reqs + 1].tolist()
         q_lens = [b - a for a, b in zip(qsl, qsl[1:])]
         req_ids = self.runner.input_batch.req_ids[:num_reqs]
-        return self.decode_log.place(req_ids, q_lens, seq_lens[:num_reqs].tolist())
+        return self.decode_log.place(req_ids, q_lens, seq_lens[:num_reqs].tolist(),
+                                     None if scored is None else scored.tolist())
 
     def evicted_per_row(self, num_reqs: int) -> torch.Tensor | None:
         """(num_reqs,) int32 offsets logical - physical in batch order, or None."""
