@@ -373,46 +373,44 @@ def _failed_row(r: dict, ncols: int) -> str:
     return f"| {label(r)} | {budget} | FAILED: {r.get('error')} |" + " |" * (ncols - 3)
 
 
-def table_constrained(results: list[dict]) -> str:
+def _table(results: list[dict], cols: list[str], cells) -> str:
+    """Markdown table: policy, budget, finished, then `cells(r, stock)` per row."""
     stock = stock_of(results)
-    cols = ["policy", "budget", "finished", "out tok/s", "speedup vs stock", "peak blocks",
-            "mean running", "preemptions", "max blocks/request", "kept/seen tokens (end)",
-            "out tok/CPU-s"]
+    cols = ["policy", "budget", "finished", *cols]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in results:
         if not r.get("ok"):
             lines.append(_failed_row(r, len(cols)))
             continue
         budget = r["budget"] if r["policy"] != "none" else "-"
-        speed = r["out_tok_s"] / stock["out_tok_s"] if stock else None
-        lines.append(
-            f"| {label(r)} | {budget} | {r['finished']}/{r['requests']} "
-            f"| {r['out_tok_s']:.1f} | {_fmt(speed, '.2f')}x "
-            f"| {r['peak_blocks']}/{r['num_gpu_blocks'] - 1} | {r['mean_running']:.1f} "
-            f"| {r['preemptions']} | {r['max_blocks_per_request']} | {_kept(r)} "
-            f"| {_fmt(r['out_tok_per_cpu_s'], '.1f')} |")
+        row = [label(r), budget, f"{r['finished']}/{r['requests']}", *cells(r, stock)]
+        lines.append("| " + " | ".join(str(c) for c in row) + " |")
     return "\n".join(lines)
+
+
+def table_constrained(results: list[dict]) -> str:
+    def cells(r, stock):
+        speed = r["out_tok_s"] / stock["out_tok_s"] if stock else None
+        return [f"{r['out_tok_s']:.1f}", f"{_fmt(speed, '.2f')}x",
+                f"{r['peak_blocks']}/{r['num_gpu_blocks'] - 1}", f"{r['mean_running']:.1f}",
+                r["preemptions"], r["max_blocks_per_request"], _kept(r),
+                _fmt(r["out_tok_per_cpu_s"], ".1f")]
+
+    return _table(results, ["out tok/s", "speedup vs stock", "peak blocks", "mean running",
+                            "preemptions", "max blocks/request", "kept/seen tokens (end)",
+                            "out tok/CPU-s"], cells)
 
 
 def table_ample(results: list[dict]) -> str:
-    stock = stock_of(results)
-    cols = ["policy", "budget", "finished", "out tok/s", "slowdown vs stock",
-            "median ms/step", "CPU ms/step", "mean running", "preemptions", "compactions",
-            "kept/seen tokens (end)"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in results:
-        if not r.get("ok"):
-            lines.append(_failed_row(r, len(cols)))
-            continue
-        budget = r["budget"] if r["policy"] != "none" else "-"
+    def cells(r, stock):
         slow = (1 - r["out_tok_s"] / stock["out_tok_s"]) if stock else None
-        lines.append(
-            f"| {r['policy']} | {budget} | {r['finished']}/{r['requests']} "
-            f"| {r['out_tok_s']:.1f} | {_fmt(None if slow is None else 100 * slow, '+.1f')}% "
-            f"| {_fmt(r['median_ms_per_step'], '.1f')} | {_fmt(r['cpu_ms_per_step'], '.1f')} "
-            f"| {r['mean_running']:.1f} | {r['preemptions']} | {r['num_compactions']} "
-            f"| {_kept(r)} |")
-    return "\n".join(lines)
+        return [f"{r['out_tok_s']:.1f}", f"{_fmt(None if slow is None else 100 * slow, '+.1f')}%",
+                _fmt(r["median_ms_per_step"], ".1f"), _fmt(r["cpu_ms_per_step"], ".1f"),
+                f"{r['mean_running']:.1f}", r["preemptions"], r["num_compactions"], _kept(r)]
+
+    return _table(results, ["out tok/s", "slowdown vs stock", "median ms/step", "CPU ms/step",
+                            "mean running", "preemptions", "compactions",
+                            "kept/seen tokens (end)"], cells)
 
 
 def notes(results: list[dict]) -> str:

@@ -187,13 +187,6 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def model_path():
-    from vllm_kvevict.models import ensure_smollm2
-
-    return ensure_smollm2()
-
-
-@pytest.fixture(scope="module")
 def hf(model_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

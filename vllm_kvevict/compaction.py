@@ -42,13 +42,15 @@ def compact(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
 
 
 def move_scores(scores: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
-                keep: torch.Tensor) -> None:
+                keep: torch.Tensor, old: torch.Tensor | None = None) -> None:
     """Move per-slot scores along with their tokens.
 
     scores: (H, S) float32; src_slots: (B, old_len); dst_slots: (B, new_len);
-    keep: (B, H, new_len) as for `compact`.
+    keep: (B, H, new_len) as for `compact`; old: (B, H, old_len) the scores
+    at src_slots when the caller already gathered them (to pick `keep`).
     """
     dev = scores.device
-    old = scores[:, src_slots.to(dev)].transpose(0, 1)  # (B, H, old_len)
+    if old is None:
+        old = scores[:, src_slots.to(dev)].transpose(0, 1)
     moved = old.gather(2, keep.to(dev))
     scores[:, dst_slots.to(dev)] = moved.transpose(0, 1)

@@ -30,6 +30,13 @@ def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return kv_cache.view(nb, h, 2 * bs, -1).chunk(2, dim=2)
 
 
+def token_slots(blocks: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
+    """Slot ids (block * BS + offset) of the first ``n`` tokens of block rows:
+    ``blocks: [..., nblk]`` -> ``[..., n]`` int64."""
+    j = torch.arange(n, device=blocks.device)
+    return blocks[..., j // block_size].long() * block_size + j % block_size
+
+
 def _stock_map(isa: str, dtype: torch.dtype, bs: int, d: int, h: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-block maps ``[H, BS, D]`` -> flat logical index into ``cache[b]``

@@ -2,6 +2,7 @@
 
   eviction_config  the EvictionConfig of the engine being built
   physical_view    attention metadata with physical seq_lens / slot mapping
+  physical_metadata  the same, for the rows of the worker's current batch
   evictable_spec   the KV spec swap that gives the scheduler our block manager
   write_kv         the backend's own KV write, at the physical slots
   score_step       H2O scores of this step's queries, after attention
@@ -49,6 +50,13 @@ def physical_view(cm, evicted: torch.Tensor, block_size: int):
     # _num_computed_tokens_cache: a value derived from logical lengths must not survive.
     return replace(cm, seq_lens=seq_lens, slot_mapping=slot_mapping,
                    max_seq_len=int(seq.max()), _num_computed_tokens_cache=None)
+
+
+def physical_metadata(state, cm, block_size: int):
+    """The builder's step: `cm` as is when no row of the batch has evicted,
+    else its `physical_view`."""
+    evicted = state.evicted_per_row(cm.num_reqs)
+    return cm if evicted is None else physical_view(cm, evicted, block_size)
 
 
 def evictable_spec(spec):

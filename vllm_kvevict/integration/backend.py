@@ -29,7 +29,7 @@ from vllm_kvevict.integration.attention_common import (
     SCORED_ATTR,
     eviction_config,
     evictable_spec,
-    physical_view,
+    physical_metadata,
     score_step,
     write_kv,
 )
@@ -46,9 +46,7 @@ class EvictingCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         cm = common_attn_metadata
         if self.state is None:
             return super().build(common_prefix_len, cm, fast_build)
-        evicted = self.state.evicted_per_row(cm.num_reqs)
-        if evicted is not None:
-            cm = physical_view(cm, evicted, self.block_size)
+        cm = physical_metadata(self.state, cm, self.block_size)
         metadata = super().build(common_prefix_len, cm, fast_build)
         scored = self.state.scored_rows(cm.num_reqs)
         placement = self.state.place_decode_queries(cm.num_reqs, cm.query_start_loc_cpu,

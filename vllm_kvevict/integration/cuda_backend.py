@@ -44,7 +44,7 @@ except ImportError as e:  # keep the reason: the caller decides whether it matte
 from vllm_kvevict.integration.attention_common import (
     eviction_config,
     evictable_spec,
-    physical_view,
+    physical_metadata,
     score_step,
     write_kv,
 )
@@ -69,9 +69,7 @@ class EvictingFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         cm = common_attn_metadata
         if self.state is not None:
-            evicted = self.state.evicted_per_row(cm.num_reqs)
-            if evicted is not None:
-                cm = physical_view(cm, evicted, self.block_size)
+            cm = physical_metadata(self.state, cm, self.block_size)
         return super().build(common_prefix_len, cm, fast_build)
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_kvevict.kv_layout import token_slots
+
 # Bound the (R, H, Q*G, M) float32 logits of one tile to about 64 MB.
 _TILE_ELEMENTS = 1 << 24
 
@@ -60,7 +62,7 @@ def score_queries(scores: torch.Tensor, layout, key_cache: torch.Tensor,
             probs *= weight[:, None, t0:t0 + t, None]
         acc += probs.sum(dim=2)
     reach = pos[None, :] < visible.max(dim=1).values[:, None]  # (R, M)
-    slots = block_rows[:, pos // bs].to(dev, torch.int64) * bs + pos % bs
+    slots = token_slots(block_rows.to(dev), m, bs)
     scores.index_add_(1, slots[reach], acc.transpose(0, 1)[:, reach])
 
 

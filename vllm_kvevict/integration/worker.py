@@ -25,6 +25,7 @@ from vllm_kvevict.compaction import compact, move_scores
 from vllm_kvevict.config import EvictionConfig
 from vllm_kvevict.integration.decode_log import DecodeQueryLog, StepPlacement
 from vllm_kvevict.integration.plans import STEP_ATTR, CompactionPlan, EvictionStep
+from vllm_kvevict.kv_layout import token_slots
 from vllm_kvevict.policies import make_policy
 
 
@@ -192,9 +193,8 @@ class WorkerEviction:
         bs = self.block_size
         src_blocks = torch.tensor(plan.src_block_ids, dtype=torch.int64)
         dst_blocks = torch.tensor(plan.dst_block_ids, dtype=torch.int64)
-        j = torch.arange(plan.old_len)
-        src = src_blocks[j // bs] * bs + j % bs  # (old_len,) slots of the old tokens
-        dst = dst_blocks[j[: plan.new_len] // bs] * bs + j[: plan.new_len] % bs
+        src = token_slots(src_blocks, plan.old_len, bs)  # (old_len,) slots of the old tokens
+        dst = token_slots(dst_blocks, plan.new_len, bs)
         keep_recent = self.cfg.recent_tokens(plan.new_len, plan.logical_len)
         logical = self._logical_positions(self.kept.get(plan.req_id), plan)
         kept_positions = []
@@ -210,7 +210,8 @@ class WorkerEviction:
             kc, vc = st.layout.split(st.kv_cache)
             compact(st.layout, kc, vc, src_blocks[None] + layer * st.num_blocks,
                     dst_blocks[None] + layer * st.num_blocks, keep)
-            move_scores(st.scores, src_slots, dst[None] + layer * st.num_blocks * bs, keep)
+            move_scores(st.scores, src_slots, dst[None] + layer * st.num_blocks * bs, keep,
+                        old=scores)
             if self.record_kept:
                 pos = (logical[first:first + num_layers] if logical.dim() == 3
                        else logical.expand(num_layers, h, -1))
