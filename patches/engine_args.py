@@ -21,14 +21,18 @@ from vllm_kvevict.config import FLAGS, EvictionConfig, POLICIES
 from . import mark_patched
 
 _HELP = {
-    "kv_eviction": f"KV cache eviction policy: {', '.join(POLICIES)}. h2o keeps heavy "
-                   "hitters (accumulated attention) plus a recent window; streaming "
-                   "keeps attention sinks plus a recent window. Default: none.",
+    "kv_eviction": "KV cache eviction policy: h2o (heavy hitters by accumulated attention "
+                   "+ recent window), streaming (attention sinks + recent window), snapkv "
+                   "or andpro (tokens scored by the attention, or the value projection on "
+                   "the output, of the last --kv-window queries). Default: none.",
     "kv_budget": "Resident KV tokens per request: a token count (e.g. 256) or a "
                  "fraction of the request's length (e.g. 0.2). Default: 1024.",
     "kv_recent": "Recent-window size inside the budget, in the budget's unit "
-                 "(H2O's recent ratio). Default: half the budget.",
+                 "(H2O's recent ratio). Default: half the budget; for snapkv and "
+                 "andpro, the observation window.",
     "kv_sink": "Attention-sink tokens always kept by the streaming policy. Default: 4.",
+    "kv_window": "Observation window of snapkv and andpro: how many of the latest "
+                 "queries score the cache at each compaction. Default: 32.",
 }
 
 

@@ -46,8 +46,8 @@ def test_help_shows_each_flag_with_its_default(parser, capsys):
         parser.parse_args(["--help=kv-"])
     text = capsys.readouterr().out
     for flag, default in (("--kv-eviction", "Default: none."), ("--kv-budget", "Default: 1024."),
-                          ("--kv-recent", "Default: half the budget."),
-                          ("--kv-sink", "Default: 4.")):
+                          ("--kv-recent", "Default: half the budget;"),
+                          ("--kv-sink", "Default: 4."), ("--kv-window", "Default: 32.")):
         start = text.index(f"\n  {flag} ")
-        entry = " ".join(text[start:start + 400].split("\n  --")[1].split())
+        entry = " ".join(text[start:start + 1000].split("\n  --")[1].split())
         assert default in entry and "(default: None)" not in entry, entry

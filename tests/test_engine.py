@@ -165,7 +165,7 @@ def _h2o_kept_sets(model_path, defer: bool):
     state = worker_mod.worker_state()
     state.record_kept = True
     if not defer:
-        state.place_decode_queries = lambda *args: None  # score every step at once
+        state.place_queries = lambda *args: None  # score every step at once
     kept = []
     compact = state._compact
 

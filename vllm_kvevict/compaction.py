@@ -13,7 +13,8 @@ import torch
 
 
 def compact(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
-            src_blocks: torch.Tensor, dst_blocks: torch.Tensor, keep: torch.Tensor) -> None:
+            src_blocks: torch.Tensor, dst_blocks: torch.Tensor, keep: torch.Tensor,
+            gathered: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Gather, per row and KV head, the kept tokens and write them in order to
     slots [0, new_len) of that row's destination blocks.
 
@@ -21,6 +22,9 @@ def compact(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
     dst_blocks: (B, n_dst) int64, n_dst = ceil(new_len / BS); may equal src
                 blocks (everything is read before anything is written)
     keep:       (B, H, new_len) int64 ascending token indices into the old row
+
+    gathered:   (K, V) of src_blocks, each (B, H, n_src*BS, D), when the caller
+                already gathered them (to score the tokens)
 
     Whole blocks are written: slots of the last destination block past
     new_len are zeroed (nothing valid lives there; the next tokens go there).
@@ -31,8 +35,10 @@ def compact(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
     src_blocks, dst_blocks = src_blocks.to(key_cache.device), dst_blocks.to(key_cache.device)
     keep = keep.to(key_cache.device)
     n_src, n_dst = src_blocks.shape[1], dst_blocks.shape[1]
-    k = layout.gather_keys(key_cache, src_blocks, n_src)  # (B, H, n_src*BS, D)
-    v = layout.gather_values(value_cache, src_blocks, n_src)
+    if gathered is None:
+        gathered = (layout.gather_keys(key_cache, src_blocks, n_src),  # (B, H, n_src*BS, D)
+                    layout.gather_values(value_cache, src_blocks, n_src))
+    k, v = gathered
     idx = keep[..., None].expand(-1, -1, -1, d)
     new_k = k.new_zeros(b, h, n_dst * bs, d)
     new_v = v.new_zeros(b, h, n_dst * bs, d)

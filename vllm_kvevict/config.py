@@ -12,7 +12,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-POLICIES = ("none", "h2o", "streaming")
+POLICIES = ("none", "h2o", "streaming", "snapkv", "andpro")
+WINDOW_POLICIES = ("snapkv", "andpro")  # scored by their last `window` queries
 
 # key in additional_config -> CLI flag, for error messages and the CLI layer.
 FLAGS = {
@@ -20,6 +21,7 @@ FLAGS = {
     "kv_budget": "--kv-budget",
     "kv_recent": "--kv-recent",
     "kv_sink": "--kv-sink",
+    "kv_window": "--kv-window",
 }
 
 
@@ -61,18 +63,23 @@ class EvictionConfig:
     """What to keep per request.
 
     policy:  "none" | "h2o" (heavy hitters + recent window) | "streaming"
-             (attention sinks + recent window, the control).
+             (attention sinks + recent window, the control) | "snapkv" |
+             "andpro" (scored by the attention / value projection of the last
+             `window` queries at each compaction).
     budget:  resident tokens per request: an int (tokens) or a float in (0, 1]
              (fraction of the request's current length, as in H2O's ratios).
     recent:  the recent window inside the budget, same units as `budget`;
-             default half the budget (H2O's equal heavy/recent split).
+             default half the budget (H2O's equal heavy/recent split), or the
+             observation window for snapkv/andpro (which always keep it).
     sink:    tokens always kept at the start (streaming only).
+    window:  observation window of snapkv/andpro, in tokens (the papers' 32).
     """
 
     policy: str = "none"
     budget: int | float = 1024
     recent: int | float | None = None
     sink: int = 4
+    window: int = 32
 
     @property
     def enabled(self) -> bool:
@@ -93,6 +100,9 @@ class EvictionConfig:
         sink = _number("kv_sink", raw.get("kv_sink", cls.sink))
         if not isinstance(sink, int):
             raise EvictionConfigError(f"{_flag('kv_sink')} must be a token count")
+        window = _number("kv_window", raw.get("kv_window", cls.window))
+        if not isinstance(window, int):
+            raise EvictionConfigError(f"{_flag('kv_window')} must be a token count")
         if recent is not None:
             if isinstance(recent, int) != isinstance(budget, int):
                 raise EvictionConfigError(
@@ -104,12 +114,23 @@ class EvictionConfig:
         if policy == "streaming" and isinstance(budget, int) and sink >= budget:
             raise EvictionConfigError(
                 f"{_flag('kv_sink')} ({sink}) must be smaller than --kv-budget ({budget})")
-        return cls(policy=policy, budget=budget, recent=recent, sink=sink)
+        if policy in WINDOW_POLICIES:
+            # The window's own tokens must stay resident until the next
+            # compaction reads their queries: the kept recent part covers it.
+            if isinstance(budget, int) and budget < window:
+                raise EvictionConfigError(
+                    f"{_flag('kv_budget')} ({budget}) must be at least the observation "
+                    f"window --kv-window ({window}) under {policy}")
+            if isinstance(recent, int) and recent < window:
+                raise EvictionConfigError(
+                    f"{_flag('kv_recent')} ({recent}) must be at least the observation "
+                    f"window --kv-window ({window}) under {policy}")
+        return cls(policy=policy, budget=budget, recent=recent, sink=sink, window=window)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         return {"kv_eviction": d["policy"], "kv_budget": d["budget"],
-                "kv_recent": d["recent"], "kv_sink": d["sink"]}
+                "kv_recent": d["recent"], "kv_sink": d["sink"], "kv_window": d["window"]}
 
     def check_block_size(self, block_size: int) -> None:
         """Refuse budgets that cannot hold one whole block (known only at startup)."""
@@ -124,13 +145,18 @@ class EvictionConfig:
         """Resident tokens allowed for a request of logical `length`."""
         if isinstance(self.budget, int):
             return self.budget
-        # A fraction never goes below one block: evicting inside one block frees nothing.
-        return max(block_size, math.ceil(self.budget * length))
+        # A fraction never goes below one block (evicting inside one block frees
+        # nothing) nor, for snapkv/andpro, below their observation window.
+        floor = max(block_size, self.window if self.policy in WINDOW_POLICIES else 0)
+        return max(floor, math.ceil(self.budget * length))
 
     def recent_tokens(self, budget: int, length: int) -> int:
         """Size of the always-kept recent window for a given budget."""
+        floor = self.window if self.policy in WINDOW_POLICIES else 0
         if self.recent is None:
-            return budget // 2
-        if isinstance(self.recent, int):
-            return min(self.recent, budget)
-        return min(budget, math.ceil(self.recent * length))
+            recent = floor or budget // 2
+        elif isinstance(self.recent, int):
+            recent = self.recent
+        else:
+            recent = max(floor, math.ceil(self.recent * length))
+        return min(recent, budget)

@@ -19,7 +19,8 @@ import torch
 
 
 class EvictionPolicy(ABC):
-    needs_scores: bool = True
+    needs_scores: bool = True  # accumulates attention into the per-slot score buffer
+    window: int = 0  # > 0: scores come from the last `window` queries at compaction
 
     @abstractmethod
     def select(self, scores: torch.Tensor, keep: int, recent: int) -> torch.Tensor:
@@ -58,9 +59,38 @@ class StreamingPolicy(EvictionPolicy):
         return idx.to(scores.device).expand(num_heads, -1).contiguous()
 
 
-def make_policy(name: str, sink: int = 4) -> EvictionPolicy:
+class WindowPolicy(H2OPolicy):
+    """SnapKV (Li et al. 2024) and AnDPro (anchor direction projection): at each
+    compaction, the last `window` queries score every resident token
+    (`vllm_kvevict.window_scores`), and the kept set is the recent tokens (which
+    contain the window) plus the best-scored older ones, as H2O selects.
+
+    The paper compresses the prompt once; here the same rule runs at every
+    compaction: between prompt chunks and, during decode, once per block of new
+    tokens, with the latest `window` tokens (prompt or generated) as the window.
+    Every KV head keeps the same count: the paper's cross-head budget
+    allocation (Ada-KV style) needs a per-head length the stock kernels lack.
+    """
+
+    needs_scores = False
+
+    def __init__(self, kind: str, window: int) -> None:
+        self.kind = kind
+        self.window = window
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """(B, w, H_q, D), (B, H, n, D) x2 -> (B, H, n) selection scores."""
+        from vllm_kvevict.window_scores import window_scores
+
+        return window_scores(self.kind, q, k, v, scale)
+
+
+def make_policy(name: str, sink: int = 4, window: int = 32) -> EvictionPolicy:
     if name == "h2o":
         return H2OPolicy()
     if name == "streaming":
         return StreamingPolicy(sink)
+    if name in ("snapkv", "andpro"):
+        return WindowPolicy(name, window)
     raise ValueError(f"no eviction policy named {name!r}")

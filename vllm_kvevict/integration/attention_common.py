@@ -5,7 +5,8 @@
   physical_metadata  the same, for the rows of the worker's current batch
   evictable_spec   the KV spec swap that gives the scheduler our block manager
   write_kv         the backend's own KV write, at the physical slots
-  score_step       H2O scores of this step's queries, after attention
+  score_step       H2O scores of this step's queries, after attention (or,
+                   for snapkv/andpro, their queries kept for the next compaction)
 """
 
 from __future__ import annotations
@@ -92,9 +93,13 @@ def score_step(impl, layer, query, kv_cache, attn_metadata, make_layout) -> None
         return
     n = attn_metadata.num_actual_tokens
     lc = state.layer(layer.layer_name, kv_cache, make_layout)
+    placement = getattr(attn_metadata, PLACEMENT_ATTR, None)
+    if state.policy.window:  # snapkv/andpro: keep the newest queries for compaction
+        if placement is not None:
+            state.query_window.record(layer.layer_name, query[:n], placement, impl.scale)
+        return
     if not state.policy.needs_scores:
         return
-    placement = getattr(attn_metadata, PLACEMENT_ATTR, None)
     if placement is not None:
         state.decode_log.record(layer.layer_name, query[:n], placement, impl.scale)
     key_cache, _ = lc.layout.split(kv_cache)

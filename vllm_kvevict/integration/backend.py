@@ -8,7 +8,8 @@ change, and only when eviction is enabled in `additional_config`:
      logical because the runner computes them before we are called.
   2. KV write: `forward_includes_kv_cache_update = True`, so the backend writes
      K/V itself with that physical slot mapping.
-  3. scores: after attention, H2O scores are accumulated beside the cache.
+  3. scores: after attention, H2O scores are accumulated beside the cache
+     (snapkv/andpro: the newest queries are kept for the next compaction).
 
 With eviction disabled, the backend behaves exactly like the stock one.
 On CUDA the same wrapper is built around FLASH_ATTN (see `cuda_backend`);
@@ -43,14 +44,15 @@ class EvictingCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         self.state = worker_state()
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        cm = common_attn_metadata
+        logical = common_attn_metadata
         if self.state is None:
-            return super().build(common_prefix_len, cm, fast_build)
-        cm = physical_metadata(self.state, cm, self.block_size)
+            return super().build(common_prefix_len, logical, fast_build)
+        cm = physical_metadata(self.state, logical, self.block_size)
         metadata = super().build(common_prefix_len, cm, fast_build)
         scored = self.state.scored_rows(cm.num_reqs)
-        placement = self.state.place_decode_queries(cm.num_reqs, cm.query_start_loc_cpu,
-                                                    cm.seq_lens[: cm.num_reqs].cpu(), scored)
+        placement = self.state.place_queries(cm.num_reqs, cm.query_start_loc_cpu,
+                                             cm.seq_lens[: cm.num_reqs].cpu(),
+                                             logical.seq_lens[: cm.num_reqs].cpu(), scored)
         setattr(metadata, PLACEMENT_ATTR, placement)
         setattr(metadata, SCORED_ATTR, scored)
         return metadata

@@ -42,6 +42,7 @@ except ImportError as e:  # keep the reason: the caller decides whether it matte
                       f"backend module, which does not import here: {e}") from e
 
 from vllm_kvevict.integration.attention_common import (
+    PLACEMENT_ATTR,
     eviction_config,
     evictable_spec,
     physical_metadata,
@@ -67,10 +68,17 @@ class EvictingFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
         return super().get_cudagraph_support(vllm_config, kv_cache_spec)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        cm = common_attn_metadata
-        if self.state is not None:
-            cm = physical_metadata(self.state, cm, self.block_size)
-        return super().build(common_prefix_len, cm, fast_build)
+        logical = common_attn_metadata
+        if self.state is None:
+            return super().build(common_prefix_len, logical, fast_build)
+        cm = physical_metadata(self.state, logical, self.block_size)
+        metadata = super().build(common_prefix_len, cm, fast_build)
+        if self.state.policy.window:  # snapkv/andpro keep their window queries
+            placement = self.state.place_queries(
+                cm.num_reqs, cm.query_start_loc_cpu, cm.seq_lens[: cm.num_reqs].cpu(),
+                logical.seq_lens[: cm.num_reqs].cpu(), self.state.scored_rows(cm.num_reqs))
+            setattr(metadata, PLACEMENT_ATTR, placement)
+        return metadata
 
 
 class EvictingFlashAttentionImpl(FlashAttentionImpl):

@@ -64,7 +64,10 @@ class EvictableAttentionManager(FullAttentionManager):
         self.evicted: dict[str, int] = {}  # req_id -> logical - physical
         self.pending: list[CompactionPlan] = []
         self.released: list[str] = []  # freed since the last take_plans()
-        self.scores_needed = make_policy(self.cfg.policy, self.cfg.sink).needs_scores
+        policy = make_policy(self.cfg.policy, self.cfg.sink, self.cfg.window)
+        # Scores per physical slot (h2o) or the queries of the latest tokens
+        # (snapkv, andpro) must come from this request's own forward passes.
+        self.private_prompts = policy.needs_scores or policy.window > 0
         self.num_compactions = 0
         self.num_tokens_evicted = 0
 
@@ -91,8 +94,10 @@ class EvictableAttentionManager(FullAttentionManager):
         # registering them for prefix caching would serve wrong KV to others.
         # Under a scoring policy (H2O), scores live per physical slot: a shared
         # prefix block would carry another request's accumulated attention. So it
-        # registers nothing (no prefix hits); streaming shares prompts freely.
-        if self.scores_needed:
+        # registers nothing (no prefix hits); nor do snapkv/andpro, whose window
+        # needs the queries of prompt tokens a hit would skip. Streaming shares
+        # prompts freely.
+        if self.private_prompts:
             return
         if self.evicted.get(request.request_id, 0) == 0:
             super().cache_blocks(request, num_tokens, *args, **kwargs)

@@ -25,6 +25,7 @@ from vllm_kvevict.compaction import compact, move_scores
 from vllm_kvevict.config import EvictionConfig
 from vllm_kvevict.integration.decode_log import DecodeQueryLog, StepPlacement
 from vllm_kvevict.integration.plans import STEP_ATTR, CompactionPlan, EvictionStep
+from vllm_kvevict.integration.query_window import QueryWindow
 from vllm_kvevict.kv_layout import token_slots
 from vllm_kvevict.policies import make_policy
 
@@ -49,11 +50,13 @@ class LayerStack:
     num_layers: int
     num_blocks: int
     scores: torch.Tensor  # (H, num_layers * num_blocks * BS) float32
+    names: list[str]  # the layers, in row order
 
     @classmethod
-    def build(cls, layers: list[LayerCache]) -> list["LayerStack"]:
+    def build(cls, layers: dict[str, LayerCache]) -> list["LayerStack"]:
         """One stack for all layers if their caches allow it, else one per layer.
         Re-homes the layers' score buffers into the stack's (as views)."""
+        names, layers = list(layers), list(layers.values())
         kv0, lay0 = layers[0].kv_cache, layers[0].layout
         nb, step = kv0.shape[0], kv0.stride(0) * kv0.shape[0]
         uniform = all(
@@ -63,15 +66,15 @@ class LayerStack:
             and lc.kv_cache.storage_offset() == kv0.storage_offset() + i * step
             for i, lc in enumerate(layers))
         if not uniform:
-            return [cls(lc.kv_cache, lc.layout, 1, lc.kv_cache.shape[0], lc.scores)
-                    for lc in layers]
+            return [cls(lc.kv_cache, lc.layout, 1, lc.kv_cache.shape[0], lc.scores, [name])
+                    for name, lc in zip(names, layers)]
         n = len(layers)
         kv = kv0.as_strided((n * nb, *kv0.shape[1:]), kv0.stride(), kv0.storage_offset())
         per_layer = layers[0].scores.shape[1]
         scores = torch.cat([lc.scores for lc in layers], dim=1)
         for i, lc in enumerate(layers):
             lc.scores = scores[:, i * per_layer:(i + 1) * per_layer]
-        return [cls(kv, lay0, n, nb, scores)]
+        return [cls(kv, lay0, n, nb, scores, names)]
 
 
 @dataclass
@@ -86,16 +89,17 @@ class WorkerEviction:
     def __init__(self, cfg: EvictionConfig, block_size: int) -> None:
         self.cfg = cfg
         self.block_size = block_size
-        self.policy = make_policy(cfg.policy, cfg.sink)
+        self.policy = make_policy(cfg.policy, cfg.sink, cfg.window)
         self.layers: dict[str, LayerCache] = {}
         self.runner = None  # the GPUModelRunner (or subclass) of this process
         self.evicted: dict[str, int] = {}
         self.kept: dict[str, KeptRecord] = {}
         self.record_kept = False  # tests turn this on
         self.decode_log = DecodeQueryLog()
+        self.query_window = QueryWindow(cfg.window)  # used by snapkv/andpro only
         self._stack_cache: list[LayerStack] | None = None
         self.unscored: set[str] = set()  # requests that never compact: no scoring
-        self._step_open = False  # a begin_step not yet matched by place_decode_queries
+        self._step_open = False  # a begin_step not yet matched by place_queries
 
     # --- registration ---------------------------------------------------------
 
@@ -127,8 +131,9 @@ class WorkerEviction:
             return
         # Freed blocks may already belong to someone else: forget queries that
         # would read them. Then score what waits for requests about to move.
-        self.decode_log.drop(step.released)
-        self.decode_log.drop(scheduler_output.finished_req_ids)
+        for log in (self.decode_log, self.query_window):
+            log.drop(step.released)
+            log.drop(scheduler_output.finished_req_ids)
         self.unscored.difference_update(step.released)
         self.unscored.difference_update(scheduler_output.finished_req_ids)
         self.unscored.update(step.unscored)
@@ -150,13 +155,24 @@ class WorkerEviction:
         req_ids = self.runner.input_batch.req_ids[:num_reqs]
         return torch.tensor([r not in self.unscored for r in req_ids], dtype=torch.bool)
 
-    def place_decode_queries(self, num_reqs: int, query_start_loc: torch.Tensor,
-                             seq_lens: torch.Tensor, scored: torch.Tensor | None
-                             ) -> StepPlacement | None:
-        """Once per step, from the metadata builder (physical seq_lens): log
-        slots for this step's scored decode queries, or None (score everything
-        now), e.g. for a second builder in the same step or a dummy run."""
-        if not self._step_open or self.runner is None or not self.policy.needs_scores:
+    def place_queries(self, num_reqs: int, query_start_loc: torch.Tensor,
+                      seq_lens: torch.Tensor, logical_seq_lens: torch.Tensor,
+                      scored: torch.Tensor | None) -> StepPlacement | None:
+        """Once per step, from the metadata builder: where this step's queries
+        are kept. snapkv/andpro: ring cells of each request's newest tokens
+        (logical positions). h2o (CPU): log slots of the scored decode queries
+        (physical seq_lens). None otherwise (h2o then scores everything now),
+        e.g. for a second builder in the same step or a dummy run."""
+        if not self._step_open or self.runner is None:
+            return None
+        if self.policy.window:
+            self._step_open = False
+            qsl = query_start_loc[: num_reqs + 1].tolist()
+            return self.query_window.place(
+                self.runner.input_batch.req_ids[:num_reqs],
+                [b - a for a, b in zip(qsl, qsl[1:])], logical_seq_lens[:num_reqs].tolist(),
+                None if scored is None else scored.tolist())
+        if not self.policy.needs_scores:
             return None
         self._step_open = False
         if self.decode_log.full():
@@ -182,7 +198,7 @@ class WorkerEviction:
         cache is an equally spaced slice of one buffer (vLLM allocates them so
         on CPU), else one per layer. Built once the layers are known."""
         if self._stack_cache is None:
-            self._stack_cache = LayerStack.build(list(self.layers.values()))
+            self._stack_cache = LayerStack.build(self.layers)
         return self._stack_cache
 
     def _compact(self, plan: CompactionPlan) -> None:
@@ -203,15 +219,23 @@ class WorkerEviction:
             # Row l of every tensor below is layer `first + l` of this stack.
             layer = torch.arange(st.num_layers)[:, None]
             src_slots = src[None] + layer * st.num_blocks * bs  # (L, old_len)
-            scores = st.scores[:, src_slots].transpose(0, 1)  # (L, H, old_len)
+            src_rows = src_blocks[None] + layer * st.num_blocks  # (L, n_src)
+            kc, vc = st.layout.split(st.kv_cache)
+            gathered = None
+            if self.policy.window:
+                gathered = (st.layout.gather_keys(kc, src_rows, src_rows.shape[1]),
+                            st.layout.gather_values(vc, src_rows, src_rows.shape[1]))
+                scores = self._window_scores(plan, st, *gathered)
+            else:
+                scores = st.scores[:, src_slots].transpose(0, 1)  # (L, H, old_len)
             num_layers, h, _ = scores.shape
             keep = self.policy.select(scores.reshape(num_layers * h, -1), plan.new_len,
                                       keep_recent).view(num_layers, h, plan.new_len)
-            kc, vc = st.layout.split(st.kv_cache)
-            compact(st.layout, kc, vc, src_blocks[None] + layer * st.num_blocks,
-                    dst_blocks[None] + layer * st.num_blocks, keep)
-            move_scores(st.scores, src_slots, dst[None] + layer * st.num_blocks * bs, keep,
-                        old=scores)
+            compact(st.layout, kc, vc, src_rows, dst_blocks[None] + layer * st.num_blocks,
+                    keep, gathered=gathered)
+            if self.policy.needs_scores:
+                move_scores(st.scores, src_slots, dst[None] + layer * st.num_blocks * bs,
+                            keep, old=scores)
             if self.record_kept:
                 pos = (logical[first:first + num_layers] if logical.dim() == 3
                        else logical.expand(num_layers, h, -1))
@@ -227,6 +251,21 @@ class WorkerEviction:
             table = batch.block_table.block_tables[plan.group_id]
             table.num_blocks_per_row[row] = 0
             table.append_row(list(plan.dst_block_ids), row)
+
+    def _window_scores(self, plan: CompactionPlan, st: LayerStack,
+                       k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """(L, H, old_len) snapkv/andpro scores of the request's resident tokens
+        from its window queries; k, v: (L, H, n_src * BS, D) gathered blocks.
+        Without a window (nothing logged, e.g. a prompt served from elsewhere)
+        every older token scores 0: the first and the recent tokens are kept."""
+        win = self.query_window.window(plan.req_id, st.names, plan.logical_len)
+        k, v = k[:, :, : plan.old_len], v[:, :, : plan.old_len]
+        if win is None:
+            scores = torch.zeros(k.shape[:3], device=k.device)
+            scores[..., 0] = float("inf")
+            return scores
+        q, scale = win
+        return self.policy.scores(q.to(k.device), k, v, scale)
 
     def _logical_positions(self, prev: KeptRecord | None, plan: CompactionPlan):
         """Logical position held by each of the old_len slots: (L, H, n) or (n,)."""

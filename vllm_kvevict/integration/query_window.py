@@ -1,0 +1,113 @@
+"""The last `size` queries of every request, per layer: snapkv/andpro's window.
+
+SnapKV and AnDPro score the cache with the queries of the latest tokens (the
+observation window). The attention backend sees each token's query once, in
+the step that computes it, so every step copies the queries of each request's
+newest tokens (at most `size` per request) into a ring; at a compaction the
+worker reads the request's window back in token order.
+
+    queries[layer]: (capacity, size, H_q, D) query dtype
+    the token at logical position p of the request in row r sits at [r, p % size]
+    end[req]:   logical position one past the newest logged token
+    count[req]: tokens logged since the ring row was (re)started, capped at size
+
+Queries are post-RoPE, like the cached keys, so a score computed later equals
+the one the window's own forward pass would have given against the same keys.
+A gap in the logged positions (a prefix-cache hit, a re-prefill after
+preemption) restarts the row: the window is always the latest `count` tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from vllm_kvevict.integration.decode_log import StepPlacement
+
+
+class QueryWindow:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.row_of: dict[str, int] = {}
+        self.end: dict[str, int] = {}
+        self.count: dict[str, int] = {}
+        self.capacity = 0
+        self.queries: dict[str, torch.Tensor] = {}
+        self.scale: dict[str, float] = {}
+
+    def _row(self, req_id: str) -> int:
+        row = self.row_of.get(req_id)
+        if row is None:
+            used = set(self.row_of.values())
+            row = next(i for i in range(len(self.row_of) + 1) if i not in used)
+            self.capacity = max(self.capacity, row + 1)
+            self.row_of[req_id] = row
+            self.count[req_id] = 0
+            self.end[req_id] = 0
+        return row
+
+    def drop(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            if self.row_of.pop(req_id, None) is not None:
+                del self.count[req_id], self.end[req_id]
+
+    # --- once per step ---------------------------------------------------------
+
+    def place(self, req_ids: list[str], q_lens: list[int], seq_lens: list[int],
+              scored: list[bool] | None = None) -> StepPlacement:
+        """Ring cells for the newest min(q_len, size) tokens of each scored row.
+
+        q_lens: new tokens per row; seq_lens: logical lengths after this step.
+        """
+        tokens, cells = [], []
+        start = 0
+        scored = scored or [True] * len(req_ids)
+        for req_id, n, s, keep in zip(req_ids, q_lens, seq_lens, scored):
+            if keep and n > 0:
+                row = self._row(req_id)
+                if self.end[req_id] != s - n:  # not contiguous with what is logged
+                    self.count[req_id] = 0
+                k = min(n, self.size)
+                for p in range(s - k, s):
+                    tokens.append(start + n - (s - p))
+                    cells.append(row * self.size + p % self.size)
+                self.count[req_id] = min(self.size, self.count[req_id] + k)
+                self.end[req_id] = s
+            start += n
+        as_long = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+        return StepPlacement(as_long(tokens), as_long(cells))
+
+    # --- per layer -------------------------------------------------------------
+
+    def record(self, layer: str, query: torch.Tensor, placement: StepPlacement,
+               scale: float) -> None:
+        """query: (num_tokens, H_q, D) of this step."""
+        buf = self.queries.get(layer)
+        if buf is None or buf.shape[0] < self.capacity:
+            grown = query.new_zeros(max(8, 2 * self.capacity), self.size, *query.shape[1:])
+            if buf is not None:
+                grown[: buf.shape[0]] = buf
+            self.queries[layer] = buf = grown
+        self.scale[layer] = scale
+        if placement.tokens.numel():
+            dev = buf.device
+            buf.view(-1, *buf.shape[2:]).index_copy_(
+                0, placement.cells.to(dev), query[placement.tokens.to(query.device)])
+
+    # --- at a compaction -------------------------------------------------------
+
+    def window(self, req_id: str, layers: list[str], logical_len: int
+               ) -> tuple[torch.Tensor, float] | None:
+        """(L, k, H_q, D) queries of the request's newest k tokens, oldest first,
+        for `layers`, and the attention scale; None unless the ring holds the
+        tokens right before `logical_len` (the compaction's logical length)."""
+        row = self.row_of.get(req_id)
+        if row is None or self.end[req_id] != logical_len or self.count[req_id] == 0:
+            return None
+        if any(name not in self.queries for name in layers):
+            return None
+        k = self.count[req_id]
+        cols = torch.arange(logical_len - k, logical_len) % self.size
+        q = torch.stack([self.queries[name][row] for name in layers])  # (L, size, H_q, D)
+        return q[:, cols.to(q.device)], self.scale[layers[0]]

@@ -1,0 +1,98 @@
+"""Observation-window scores (SnapKV, AnDPro): the fast batched path, vLLM-free.
+
+At a compaction, the last `w` queries of a request (its observation window)
+look at every resident token; a token's score says how much those queries
+need it. Both policies share the window attention
+
+    a[t, i] = softmax_i(q_t . k_i * scale)    query t sees tokens i <= its own
+
+and differ in what they sum over the window t and the query heads g of a KV
+head's GQA group (one score per KV head):
+
+    snapkv  s_i = sum_{g,t} a[t, i]                          (Li et al. 2024)
+    andpro  s_i = sum_{g,t} a[t, i] * <y_t, v_i>,  y_t = sum_j a[t, j] v_j
+            the projection of each weighted value on the pre-eviction output
+            (AnDPro, section 3.3, theta = y and b = 0; Algorithm 1)
+
+then smooth them the same way (`finalize`): max-pooling over neighbouring
+tokens (kernel 7), sums over chunks of 4 tokens (AnDPro's chunking: a chunk's
+score is the projection of its summed weighted values, i.e. the sum of its
+tokens' scores), and the window itself and the first token always kept.
+
+Shapes: q (B, w, H_q, D) the window queries in token order; k, v (B, H, n, D)
+the resident keys/values in logical order, the last w of which are the
+window's own tokens. B is any batch of rows (layers of one request here).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+POOL_KERNEL = 7  # AnDPro appendix B.3 (and SnapKV's kernel for max pooling)
+CHUNK = 4  # AnDPro section 3.4 / Algorithm 1 chunk size
+
+# Bound the (B, H, G, w, n) float32 attention of one tile to about 64 MB.
+_TILE_ELEMENTS = 1 << 24
+
+
+def window_attention(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """(B, w, H_q, D), (B, H, n, D) -> (B, H, G, w, n) float32 probabilities,
+    causal: query t (the token at resident index n - w + t) sees [0, n - w + t]."""
+    b, w, hq, d = q.shape
+    h, n = k.shape[1], k.shape[2]
+    qg = q.to(torch.float32).view(b, w, h, hq // h, d).permute(0, 2, 3, 1, 4)
+    logits = torch.matmul(qg * scale, k.to(torch.float32).transpose(-1, -2)[:, :, None])
+    future = torch.arange(n, device=q.device) > (n - w + torch.arange(w, device=q.device))[:, None]
+    return logits.masked_fill_(future, float("-inf")).softmax(dim=-1)
+
+
+def raw_scores(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """(B, H, n) float32 per-token window scores before pooling, tiled over B."""
+    b, w, hq, _ = q.shape
+    h, n = k.shape[1], k.shape[2]
+    out = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
+    tile = max(1, _TILE_ELEMENTS // max(1, hq * w * n))
+    for b0 in range(0, b, tile):
+        sl = slice(b0, b0 + tile)
+        a = window_attention(q[sl], k[sl], scale)  # (b, H, G, w, n)
+        if kind == "snapkv":
+            out[sl] = a.sum(dim=(2, 3))
+        elif kind == "andpro":
+            vf = v[sl].to(torch.float32)[:, :, None]  # (b, H, 1, n, D)
+            y = torch.matmul(a, vf)  # (b, H, G, w, D) pre-eviction outputs
+            proj = torch.matmul(y, vf.transpose(-1, -2))  # (b, H, G, w, n) <y_t, v_i>
+            out[sl] = (a * proj).sum(dim=(2, 3))
+        else:
+            raise ValueError(f"unknown window score {kind!r}")
+    return out
+
+
+def finalize(scores: torch.Tensor, window: int, pool: int = POOL_KERNEL,
+             chunk: int = CHUNK) -> torch.Tensor:
+    """(B, H, n) raw scores -> selection scores: the n - window older tokens
+    max-pooled then summed per chunk (every token of a chunk gets the chunk's
+    score, so top-k takes chunks whole except at the cut); the window and the
+    first token get +inf (always kept)."""
+    b, h, n = scores.shape
+    m = n - window
+    out = torch.full_like(scores, float("inf"))
+    if m <= 0:
+        return out
+    old = scores[..., :m].reshape(b * h, 1, m)
+    if pool > 1:
+        old = F.max_pool1d(old, pool, stride=1, padding=pool // 2)
+    if chunk > 1:
+        padded = F.pad(old, (0, -m % chunk))
+        sums = padded.view(b * h, -1, chunk).sum(dim=-1)
+        old = sums.repeat_interleave(chunk, dim=-1)[..., :m]
+    out[..., :m] = old.view(b, h, m)
+    out[..., 0] = float("inf")
+    return out
+
+
+def window_scores(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """(B, w, H_q, D), (B, H, n, D) x2 -> (B, H, n) selection scores."""
+    return finalize(raw_scores(kind, q, k, v, scale), q.shape[1])
