@@ -37,3 +37,18 @@ def test_units_and_defaults():
     assert frac.budget_tokens(50, 32) == 32  # never below one block
     assert not EvictionConfig.from_dict({}).enabled
     assert EvictionConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_window_policies_keep_at_least_their_window():
+    cfg = EvictionConfig.from_dict({"kv_eviction": "andpro", "kv_budget": 256})
+    assert cfg.window == 32 and cfg.recent_tokens(256, 1000) == 32  # the window is the recent part
+    frac = EvictionConfig.from_dict({"kv_eviction": "snapkv", "kv_budget": 0.02,
+                                     "kv_window": 48})
+    assert frac.budget_tokens(1000, 32) == 48 and frac.recent_tokens(48, 1000) == 48
+    with pytest.raises(EvictionConfigError, match="--kv-budget.*observation window"):
+        EvictionConfig.from_dict({"kv_eviction": "snapkv", "kv_budget": 16})
+    with pytest.raises(EvictionConfigError, match="--kv-window"):
+        EvictionConfig.from_dict({"kv_eviction": "snapkv", "kv_window": 0.5})
+    # h2o is unaffected by the window setting.
+    assert EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 256}
+                                    ).recent_tokens(256, 1000) == 128

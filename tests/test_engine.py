@@ -28,10 +28,11 @@ def test_budget_above_length_is_token_identical_to_stock(model_path):
         input=json.dumps(PROMPTS), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stock = json.loads(proc.stdout.split("IDS=")[-1])
-    llm = make_llm(model_path, additional_config={"kv_eviction": "h2o", "kv_budget": 2048})
-    ours = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy(96))]
-    close(llm)
-    assert ours == stock
+    for policy in ("h2o", "snapkv", "andpro"):
+        llm = make_llm(model_path, additional_config={"kv_eviction": policy, "kv_budget": 2048})
+        ours = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy(96))]
+        close(llm)
+        assert ours == stock, policy
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +119,39 @@ def test_bad_settings_stop_engine_startup(model_path):
         make_llm(model_path, additional_config={"kv_eviction": "lru"})
     with pytest.raises(EvictionConfigError, match="--kv-budget.*below one KV block"):
         make_llm(model_path, additional_config={"kv_eviction": "h2o", "kv_budget": 16})
+    with pytest.raises(EvictionConfigError, match="--kv-recent.*observation window"):
+        make_llm(model_path, additional_config={"kv_eviction": "andpro", "kv_budget": 128,
+                                                "kv_recent": 16})
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "andpro"])
+def test_window_policies_bound_blocks_and_free_everything(model_path, policy):
+    """A 700-token prompt in 256-token chunks and 200 decode tokens at budget 96:
+    every compaction is scored from a full window, each request stays within
+    the block bound (vLLM's req_to_blocks), and pool and query ring are empty
+    once the requests finish."""
+    from vllm_kvevict.integration.probe import attach
+    from vllm_kvevict.integration.worker import worker_state
+
+    text = open("/usr/share/common-licenses/GPL-3").read()
+    llm = make_llm(model_path, max_num_batched_tokens=256,
+                   additional_config={"kv_eviction": policy, "kv_budget": 96})
+    probe, state = attach(llm), worker_state()
+    prompts = [{"prompt_token_ids": llm.get_tokenizer()(text[i * 3000:])["input_ids"][:700]}
+               for i in range(3)]
+    outs = llm.generate(prompts, greedy(200, ignore_eos=True), use_tqdm=False)
+    evicted = sum(m.num_tokens_evicted for m in probe.managers())
+    compactions = sum(m.num_compactions for m in probe.managers())
+    # Workers hear of finished requests with the next step: run one more (a
+    # request that can never exceed the budget logs nothing itself).
+    llm.generate(["Hi"], greedy(4), use_tqdm=False)
+    windowless, ring = state.num_windowless, dict(state.query_window.row_of)
+    close(llm)
+    assert all(len(o.outputs[0].token_ids) == 200 for o in outs)
+    assert probe.max_blocks_per_request <= max_blocks_per_request(96 + 256 - 32, 32)
+    assert evicted >= 3 * (900 - 96 - 32) and compactions >= 3 * 8
+    assert windowless == 0 and not ring
+    assert _pool_is_whole(probe)
 
 
 def test_streaming_keeps_exactly_sinks_and_recent_and_prefix_caching_is_safe(model_path):

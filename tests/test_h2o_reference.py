@@ -52,6 +52,7 @@ class DenseH2O:
     """Greedy decoding of an HF Llama with per-(layer, KV head) resident masks.
 
     K, V:      (layers, kv_heads, T, head_dim)  post-RoPE keys / values by logical position
+    Q:         (layers, q_heads, T, head_dim)   post-RoPE queries (for window policies)
     resident:  (layers, kv_heads, T) bool       token t is in head h's cache
     score:     (layers, kv_heads, T) float64    accumulated attention (H2O's F_score terms)
     """
@@ -64,6 +65,7 @@ class DenseH2O:
         shape = (self.nl, self.hk, total_len)
         self.K = torch.zeros(*shape, self.d)
         self.V = torch.zeros(*shape, self.d)
+        self.Q = torch.zeros(self.nl, self.hq, total_len, self.d)
         self.resident = torch.zeros(shape, dtype=torch.bool)
         self.score = torch.zeros(shape, dtype=torch.float64)
 
@@ -86,6 +88,7 @@ class DenseH2O:
             v = at.v_proj(h).view(1, n, hk, d).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             self.K[li][:, pos], self.V[li][:, pos] = k[0], v[0]
+            self.Q[li][:, pos] = q[0]
             self.resident[li][:, pos] = True  # a new token starts resident, score 0
             # Query i may see key t iff t is resident in this head and t <= pos[i].
             visible = self.resident[li][:, None, :] & (kpos[None, None, :] <= pos[None, :, None])
@@ -123,7 +126,7 @@ class DenseH2O:
 
 
 def h2o_generate(model, prompt: list[int], max_tokens: int, budget: int, recent: int,
-                 block_size: int, chunk: int | None = None, on_evict=None):
+                 block_size: int, chunk: int | None = None, on_evict=None, make_ref=DenseH2O):
     """Greedy tokens and, per eviction, (logical_len, kept positions, scores before).
 
     The plugin's schedule (planner.py), checked before feeding position L with
@@ -132,15 +135,16 @@ def h2o_generate(model, prompt: list[int], max_tokens: int, budget: int, recent:
 
     on_evict(L, kept, scores) -> kept, if given, sees each eviction and may
     overrule it (the test adopts the engine's choice between tied scores, so
-    one tie does not make every later step incomparable).
+    one tie does not make every later step incomparable). make_ref builds the
+    dense model (another policy's subclass reuses this schedule).
     """
-    ref = DenseH2O(model, len(prompt) + max_tokens)
+    ref = make_ref(model, len(prompt) + max_tokens)
     evictions = []
 
     def maybe_evict(L: int, limit: int) -> None:
         if int(ref.resident[0, 0].sum()) > limit:
-            scores = ref.score.clone()
             ref.evict(budget, recent)
+            scores = ref.score.clone()  # what the eviction ranked by (evict leaves it)
             kept = ref.kept()
             if on_evict is not None:
                 kept = on_evict(L, kept, scores)

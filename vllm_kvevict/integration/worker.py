@@ -97,6 +97,7 @@ class WorkerEviction:
         self.record_kept = False  # tests turn this on
         self.decode_log = DecodeQueryLog()
         self.query_window = QueryWindow(cfg.window)  # used by snapkv/andpro only
+        self.num_windowless = 0  # snapkv/andpro compactions that found no window
         self._stack_cache: list[LayerStack] | None = None
         self.unscored: set[str] = set()  # requests that never compact: no scoring
         self._step_open = False  # a begin_step not yet matched by place_queries
@@ -261,6 +262,7 @@ class WorkerEviction:
         win = self.query_window.window(plan.req_id, st.names, plan.logical_len)
         k, v = k[:, :, : plan.old_len], v[:, :, : plan.old_len]
         if win is None:
+            self.num_windowless += 1
             scores = torch.zeros(k.shape[:3], device=k.device)
             scores[..., 0] = float("inf")
             return scores
