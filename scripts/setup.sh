@@ -109,4 +109,6 @@ drop_cuda_extras
 
 log "test models:"
 "$PY" -m vllm_kvevict.models all
+log "texts for the fidelity harness (Debian jargon-text, r-cran-janeaustenr):"
+"$PY" -m vllm_kvevict.eval.texts
 log "done"

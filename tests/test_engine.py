@@ -119,9 +119,8 @@ def test_bad_settings_stop_engine_startup(model_path):
         make_llm(model_path, additional_config={"kv_eviction": "lru"})
     with pytest.raises(EvictionConfigError, match="--kv-budget.*below one KV block"):
         make_llm(model_path, additional_config={"kv_eviction": "h2o", "kv_budget": 16})
-    with pytest.raises(EvictionConfigError, match="--kv-recent.*observation window"):
-        make_llm(model_path, additional_config={"kv_eviction": "andpro", "kv_budget": 128,
-                                                "kv_recent": 16})
+    with pytest.raises(EvictionConfigError, match="--kv-window"):
+        make_llm(model_path, additional_config={"kv_eviction": "andpro", "kv_window": "x"})
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "andpro"])

@@ -87,3 +87,24 @@ def test_ring_returns_the_newest_queries_in_order():
     assert "c" not in ring.row_of
     ring.drop(["a"])
     assert ring.window("a", ["l0"], 7) is None
+
+
+def test_ring_window_shrinks_to_the_resident_tail_after_a_small_compaction():
+    """A compaction that keeps only 8 recent tokens leaves older window tokens
+    out of order: the next window starts at what is known to be contiguous."""
+    ring = QueryWindow(size=32)
+    q = torch.randn(40, 1, 2)
+    ring.record("l0", q, ring.place(["a"], [40], [40]), 1.0)
+    assert ring.window("a", ["l0"], 40)[0].shape[1] == 32
+    ring.compacted("a", recent=8)
+    ring.record("l0", q[:4], ring.place(["a"], [4], [44]), 1.0)
+    got, _ = ring.window("a", ["l0"], 44)
+    assert torch.equal(got[0], torch.cat([q[32:40], q[:4]]))  # 8 kept + 4 new
+
+
+def test_small_budget_keeps_first_token_and_half_recent():
+    torch.manual_seed(3)
+    policy = make_policy("andpro", window=32)
+    q, k, v = torch.randn(1, 32, 3, 8), torch.randn(1, 3, 96, 8), torch.randn(1, 3, 96, 8)
+    kept = policy.select(policy.scores(q, k, v, 0.3, recent=16)[0], 32, 16)
+    assert (kept[:, 0] == 0).all() and (kept[:, -16:] == torch.arange(80, 96)).all()

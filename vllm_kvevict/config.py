@@ -69,8 +69,8 @@ class EvictionConfig:
     budget:  resident tokens per request: an int (tokens) or a float in (0, 1]
              (fraction of the request's current length, as in H2O's ratios).
     recent:  the recent window inside the budget, same units as `budget`;
-             default half the budget (H2O's equal heavy/recent split), or the
-             observation window for snapkv/andpro (which always keep it).
+             default half the budget (H2O's equal heavy/recent split); for
+             snapkv/andpro the observation window, at most half the budget.
     sink:    tokens always kept at the start (streaming only).
     window:  observation window of snapkv/andpro, in tokens (the papers' 32).
     """
@@ -114,17 +114,6 @@ class EvictionConfig:
         if policy == "streaming" and isinstance(budget, int) and sink >= budget:
             raise EvictionConfigError(
                 f"{_flag('kv_sink')} ({sink}) must be smaller than --kv-budget ({budget})")
-        if policy in WINDOW_POLICIES:
-            # The window's own tokens must stay resident until the next
-            # compaction reads their queries: the kept recent part covers it.
-            if isinstance(budget, int) and budget < window:
-                raise EvictionConfigError(
-                    f"{_flag('kv_budget')} ({budget}) must be at least the observation "
-                    f"window --kv-window ({window}) under {policy}")
-            if isinstance(recent, int) and recent < window:
-                raise EvictionConfigError(
-                    f"{_flag('kv_recent')} ({recent}) must be at least the observation "
-                    f"window --kv-window ({window}) under {policy}")
         return cls(policy=policy, budget=budget, recent=recent, sink=sink, window=window)
 
     def to_dict(self) -> dict[str, Any]:
@@ -145,18 +134,17 @@ class EvictionConfig:
         """Resident tokens allowed for a request of logical `length`."""
         if isinstance(self.budget, int):
             return self.budget
-        # A fraction never goes below one block (evicting inside one block frees
-        # nothing) nor, for snapkv/andpro, below their observation window.
-        floor = max(block_size, self.window if self.policy in WINDOW_POLICIES else 0)
-        return max(floor, math.ceil(self.budget * length))
+        # A fraction never goes below one block: evicting inside one block frees nothing.
+        return max(block_size, math.ceil(self.budget * length))
 
     def recent_tokens(self, budget: int, length: int) -> int:
         """Size of the always-kept recent window for a given budget."""
-        floor = self.window if self.policy in WINDOW_POLICIES else 0
         if self.recent is None:
-            recent = floor or budget // 2
-        elif isinstance(self.recent, int):
-            recent = self.recent
-        else:
-            recent = max(floor, math.ceil(self.recent * length))
-        return min(recent, budget)
+            # snapkv/andpro keep their observation window (as the papers do)
+            # while it is at most half the budget; H2O splits the budget evenly.
+            if self.policy in WINDOW_POLICIES:
+                return min(self.window, budget // 2)
+            return budget // 2
+        if isinstance(self.recent, int):
+            return min(self.recent, budget)
+        return min(budget, math.ceil(self.recent * length))

@@ -62,8 +62,9 @@ class StreamingPolicy(EvictionPolicy):
 class WindowPolicy(H2OPolicy):
     """SnapKV (Li et al. 2024) and AnDPro (anchor direction projection): at each
     compaction, the last `window` queries score every resident token
-    (`vllm_kvevict.window_scores`), and the kept set is the recent tokens (which
-    contain the window) plus the best-scored older ones, as H2O selects.
+    (`vllm_kvevict.window_scores`), and the kept set is the recent tokens (the
+    window itself, unless the budget is under two windows: then half the
+    budget) plus the best-scored older ones, as H2O selects.
 
     The paper compresses the prompt once; here the same rule runs at every
     compaction: between prompt chunks and, during decode, once per block of new
@@ -79,11 +80,12 @@ class WindowPolicy(H2OPolicy):
         self.window = window
 
     def scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float) -> torch.Tensor:
-        """(B, w, H_q, D), (B, H, n, D) x2 -> (B, H, n) selection scores."""
+               scale: float, recent: int | None = None) -> torch.Tensor:
+        """(B, w, H_q, D), (B, H, n, D) x2 -> (B, H, n) selection scores; the
+        `recent` newest tokens (default: the window) are the ones always kept."""
         from vllm_kvevict.window_scores import window_scores
 
-        return window_scores(self.kind, q, k, v, scale)
+        return window_scores(self.kind, q, k, v, scale, recent)
 
 
 def make_policy(name: str, sink: int = 4, window: int = 32) -> EvictionPolicy:

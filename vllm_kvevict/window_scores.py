@@ -17,7 +17,9 @@ head's GQA group (one score per KV head):
 then smooth them the same way (`finalize`): max-pooling over neighbouring
 tokens (kernel 7), sums over chunks of 4 tokens (AnDPro's chunking: a chunk's
 score is the projection of its summed weighted values, i.e. the sum of its
-tokens' scores), and the window itself and the first token always kept.
+tokens' scores), and the window itself and the first token always kept. Under
+a budget smaller than two windows only half the budget is kept as recent
+tokens; the older window tokens then compete on their (causal) scores.
 
 Shapes: q (B, w, H_q, D) the window queries in token order; k, v (B, H, n, D)
 the resident keys/values in logical order, the last w of which are the
@@ -69,14 +71,14 @@ def raw_scores(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
-def finalize(scores: torch.Tensor, window: int, pool: int = POOL_KERNEL,
+def finalize(scores: torch.Tensor, recent: int, pool: int = POOL_KERNEL,
              chunk: int = CHUNK) -> torch.Tensor:
-    """(B, H, n) raw scores -> selection scores: the n - window older tokens
+    """(B, H, n) raw scores -> selection scores: the n - recent older tokens
     max-pooled then summed per chunk (every token of a chunk gets the chunk's
-    score, so top-k takes chunks whole except at the cut); the window and the
-    first token get +inf (always kept)."""
+    score, so top-k takes chunks whole except at the cut); the `recent` newest
+    tokens (the window, in the papers) and the first token get +inf."""
     b, h, n = scores.shape
-    m = n - window
+    m = n - recent
     out = torch.full_like(scores, float("inf"))
     if m <= 0:
         return out
@@ -93,6 +95,7 @@ def finalize(scores: torch.Tensor, window: int, pool: int = POOL_KERNEL,
 
 
 def window_scores(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  scale: float) -> torch.Tensor:
-    """(B, w, H_q, D), (B, H, n, D) x2 -> (B, H, n) selection scores."""
-    return finalize(raw_scores(kind, q, k, v, scale), q.shape[1])
+                  scale: float, recent: int | None = None) -> torch.Tensor:
+    """(B, w, H_q, D), (B, H, n, D) x2 -> (B, H, n) selection scores, with the
+    `recent` newest tokens always kept (default: the window, as the papers)."""
+    return finalize(raw_scores(kind, q, k, v, scale), q.shape[1] if recent is None else recent)

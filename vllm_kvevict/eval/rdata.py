@@ -115,9 +115,7 @@ class _Reader:
         elif kind == REALSXP:
             n = self.length()
             out = RObject(struct.unpack(f">{n}d", self.take(8 * n)))
-        elif kind == STRSXP:
-            out = RObject(self.item() for _ in range(self.length()))
-        elif kind in (VECSXP, EXPRSXP):
+        elif kind in (STRSXP, VECSXP, EXPRSXP):  # elements are items (CHARSXPs for strings)
             out = RObject(self.item() for _ in range(self.length()))
         else:
             raise ValueError(f"R SEXP type {kind} is not supported by this reader")

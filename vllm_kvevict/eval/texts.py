@@ -79,11 +79,11 @@ def reflow(lines: list[str]) -> str:
 def _apt_fetch(package: str, workdir: Path) -> Path:
     """``apt-get download`` + ``dpkg -x`` ``package`` under ``workdir``; returns the root."""
     cmd = ["apt-get", "download", "-q", package]
-    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, check=False)
     if proc.returncode != 0 and os.geteuid() == 0:
         # A fresh machine may have no package lists yet; root can make them.
-        subprocess.run(["apt-get", "update", "-q"], capture_output=True, text=True)
-        proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
+        subprocess.run(["apt-get", "update", "-q"], capture_output=True, check=False)
+        proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"`{' '.join(cmd)}` failed (need Debian's package lists: "
                            f"`apt-get update` as root):\n{proc.stderr.strip()}")

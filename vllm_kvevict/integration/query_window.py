@@ -10,6 +10,11 @@ worker reads the request's window back in token order.
     the token at logical position p of the request in row r sits at [r, p % size]
     end[req]:   logical position one past the newest logged token
     count[req]: tokens logged since the ring row was (re)started, capped at size
+    tail[req]:  newest tokens known to sit, in order, at the end of the
+                request's resident cache: new tokens add to it, a compaction
+                cuts it to the recent part it kept. The window is the newest
+                min(count, tail) tokens, so each query sees exactly the
+                resident tokens before it (its causal prefix as cached).
 
 Queries are post-RoPE, like the cached keys, so a score computed later equals
 the one the window's own forward pass would have given against the same keys.
@@ -32,6 +37,7 @@ class QueryWindow:
         self.row_of: dict[str, int] = {}
         self.end: dict[str, int] = {}
         self.count: dict[str, int] = {}
+        self.tail: dict[str, int] = {}
         self.capacity = 0
         self.queries: dict[str, torch.Tensor] = {}
         self.scale: dict[str, float] = {}
@@ -45,12 +51,18 @@ class QueryWindow:
             self.row_of[req_id] = row
             self.count[req_id] = 0
             self.end[req_id] = 0
+            self.tail[req_id] = 0
         return row
 
     def drop(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             if self.row_of.pop(req_id, None) is not None:
-                del self.count[req_id], self.end[req_id]
+                del self.count[req_id], self.end[req_id], self.tail[req_id]
+
+    def compacted(self, req_id: str, recent: int) -> None:
+        """The request kept only its `recent` newest tokens in order at the end."""
+        if req_id in self.tail:
+            self.tail[req_id] = min(self.tail[req_id], recent)
 
     # --- once per step ---------------------------------------------------------
 
@@ -67,12 +79,13 @@ class QueryWindow:
             if keep and n > 0:
                 row = self._row(req_id)
                 if self.end[req_id] != s - n:  # not contiguous with what is logged
-                    self.count[req_id] = 0
+                    self.count[req_id] = self.tail[req_id] = 0
                 k = min(n, self.size)
                 for p in range(s - k, s):
                     tokens.append(start + n - (s - p))
                     cells.append(row * self.size + p % self.size)
                 self.count[req_id] = min(self.size, self.count[req_id] + k)
+                self.tail[req_id] += n
                 self.end[req_id] = s
             start += n
         as_long = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
@@ -103,11 +116,11 @@ class QueryWindow:
         for `layers`, and the attention scale; None unless the ring holds the
         tokens right before `logical_len` (the compaction's logical length)."""
         row = self.row_of.get(req_id)
-        if row is None or self.end[req_id] != logical_len or self.count[req_id] == 0:
+        if row is None or self.end[req_id] != logical_len:
             return None
-        if any(name not in self.queries for name in layers):
+        k = min(self.count[req_id], self.tail[req_id])
+        if k == 0 or any(name not in self.queries for name in layers):
             return None
-        k = self.count[req_id]
         cols = torch.arange(logical_len - k, logical_len) % self.size
         q = torch.stack([self.queries[name][row] for name in layers])  # (L, size, H_q, D)
         return q[:, cols.to(q.device)], self.scale[layers[0]]

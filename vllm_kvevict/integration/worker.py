@@ -226,7 +226,7 @@ class WorkerEviction:
             if self.policy.window:
                 gathered = (st.layout.gather_keys(kc, src_rows, src_rows.shape[1]),
                             st.layout.gather_values(vc, src_rows, src_rows.shape[1]))
-                scores = self._window_scores(plan, st, *gathered)
+                scores = self._window_scores(plan, st, keep_recent, *gathered)
             else:
                 scores = st.scores[:, src_slots].transpose(0, 1)  # (L, H, old_len)
             num_layers, h, _ = scores.shape
@@ -242,6 +242,7 @@ class WorkerEviction:
                        else logical.expand(num_layers, h, -1))
                 kept_positions.append(pos.gather(2, keep.to(pos.device)))
             first += num_layers
+        self.query_window.compacted(plan.req_id, keep_recent)
         if self.record_kept:
             self.kept[plan.req_id] = KeptRecord(torch.cat(kept_positions), plan.logical_len)
         # The request's row is now exactly dst; this step's new blocks follow.
@@ -253,7 +254,7 @@ class WorkerEviction:
             table.num_blocks_per_row[row] = 0
             table.append_row(list(plan.dst_block_ids), row)
 
-    def _window_scores(self, plan: CompactionPlan, st: LayerStack,
+    def _window_scores(self, plan: CompactionPlan, st: LayerStack, recent: int,
                        k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """(L, H, old_len) snapkv/andpro scores of the request's resident tokens
         from its window queries; k, v: (L, H, n_src * BS, D) gathered blocks.
@@ -267,7 +268,7 @@ class WorkerEviction:
             scores[..., 0] = float("inf")
             return scores
         q, scale = win
-        return self.policy.scores(q.to(k.device), k, v, scale)
+        return self.policy.scores(q.to(k.device), k, v, scale, recent)
 
     def _logical_positions(self, prev: KeptRecord | None, plan: CompactionPlan):
         """Logical position held by each of the old_len slots: (L, H, n) or (n,)."""
