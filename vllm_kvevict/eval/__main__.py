@@ -85,7 +85,12 @@ def run(args, save=None, meta=None) -> list[dict]:
     for model in _list(args.models) or DEFAULT_MODELS[args.config]:
         mdir = model_dir(model)
         tok = load_tokenizer(mdir)
-        instances = T.build_instances(args.config, tok, tasks)
+        if args.instances:  # the exact instances another runner got (--dump-tasks)
+            instances = [i for i in json.loads(Path(args.instances).read_text())["instances"]
+                         if i["task"] in tasks]
+            tasks = [t for t in tasks if any(i["task"] == t for i in instances)]
+        else:
+            instances = T.build_instances(args.config, tok, tasks)
         by_task = {t: [i for i in instances if i["task"] == t] for t in tasks}
         prompts = {t: [T.prompt_ids(i, tok) for i in by_task[t]] for t in tasks}
         longest = max(len(p) + i["max_tokens"] for t in tasks
@@ -137,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-tokens", type=int, help="chunked-prefill chunk "
                    "(max_num_batched_tokens; default smoke 256, full 512)")
     p.add_argument("--dump-tasks", metavar="FILE", help="write the instances as JSON and exit")
+    p.add_argument("--instances", metavar="FILE", help="run the instances of a --dump-tasks "
+                   "file (e.g. the subset given to the kvpress runner) instead of the config's")
     p.add_argument("--model", default="smollm2", help="model for --dump-tasks")
     args = p.parse_args(argv)
 
