@@ -1,4 +1,4 @@
-"""The main job: one offline batch through stock vLLM, H2O and StreamingLLM.
+"""The main job: one offline batch through stock vLLM, H2O, SnapKV, AnDPro and StreamingLLM.
 
     python -m vllm_kvevict.demo [--budget 160] [--requests 16] [--max-tokens 256]
 
@@ -62,7 +62,8 @@ def main() -> None:
     from vllm_kvevict.models import ensure_smollm2
 
     model = args.model or ensure_smollm2()
-    rows = [run(model, policy, args) for policy in ("none", "h2o", "streaming")]
+    rows = [run(model, policy, args)
+            for policy in ("none", "h2o", "snapkv", "andpro", "streaming")]
     print(f"\n{args.requests} requests, budget {args.budget} tokens, block size {args.block_size}")
     print("| policy | peak KV blocks | max blocks/request | tokens kept / seen | output tok/s |")
     print("|---|---|---|---|---|")
