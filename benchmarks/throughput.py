@@ -45,6 +45,7 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_kvevict.config import POLICIES
 from vllm_kvevict.integration.probe import BlockProbe, attach
 
 RESULT_MARKER = "@@KVEVICT_RESULT@@ "
@@ -470,7 +471,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None,
                    help="model dir (default: python -m vllm_kvevict.models)")
     p.add_argument("--policies", nargs="+", default=["none", "h2o", "streaming"],
-                   choices=["none", "h2o", "streaming"])
+                   choices=POLICIES)
     p.add_argument("--budgets", nargs="+", type=int, default=None,
                    help="kv_budget values (tokens) for each eviction policy (default 160)")
     p.add_argument("--recent", type=int, default=None, help="kv_recent (default 64)")
