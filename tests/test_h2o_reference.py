@@ -302,21 +302,29 @@ def _tie_explained(scores: torch.Tensor, ref_kept: torch.Tensor, got: torch.Tens
     return bool(((s - boundary).abs() <= TIE_RTOL * boundary.abs() + TIE_ATOL).all())
 
 
-@pytest.mark.parametrize("idx", [0, 1, 2])
-def test_h2o_matches_dense_reference(llm, hf, prompts, idx):
-    model, _ = hf
-    prompt = prompts[idx]
-    got_tokens, snaps, cached = _vllm_generate(llm, prompt, MAX_TOKENS)
-    assert cached == 0
-    assert all(p.new_len == BUDGET for p, _ in snaps)
+class KeptSetChecker:
+    """`on_evict` callback: at each reference eviction, compare the engine's
+    kept sets (snaps from `_vllm_generate`, in order) per (layer, KV head) with
+    the reference's. A difference the reference's scores call a tie (at the
+    boundary of what it kept, below the `recent` window) adopts the engine's
+    choice, so one tie does not make every later step incomparable; any other
+    difference goes to `report`."""
 
-    counts = {"exact": 0, "differ": 0}
-    report = []
-    engine = iter(snaps)
+    def __init__(self, snaps, recent: int) -> None:
+        self.engine, self.recent = iter(snaps), recent
+        self.exact = self.ties = 0
+        self.report: list[str] = []
 
-    def compare(L, want, scores):
-        """Check the engine's kept sets at this eviction; adopt its tie-breaks."""
-        plan, got = next(engine, (None, None))
+    @property
+    def total(self) -> int:
+        return self.exact + self.ties + len(self.report)
+
+    def summary(self) -> str:
+        return (f"{self.exact}/{self.total} (layer, head) kept sets exact, {self.ties} ties, "
+                f"{len(self.report)} unexplained")
+
+    def __call__(self, L, want, scores):
+        plan, got = next(self.engine, (None, None))
         assert plan is not None, f"the reference evicts at L={L}, the engine did not"
         assert plan.logical_len == L, f"engine compacted at {plan.logical_len}, reference at {L}"
         assert got.shape == want.shape, (got.shape, want.shape)
@@ -325,29 +333,36 @@ def test_h2o_matches_dense_reference(llm, hf, prompts, idx):
             for h in range(got.shape[1]):
                 g, w = got[li, h], want[li, h]
                 if torch.equal(g, w):
-                    counts["exact"] += 1
-                    continue
-                counts["differ"] += 1
-                if _tie_explained(scores[li, h], w, g, L - RECENT):
+                    self.exact += 1
+                elif _tie_explained(scores[li, h], w, g, L - self.recent):
+                    self.ties += 1
                     want[li, h] = g
                 else:
-                    report.append(f"L={L} layer {li} head {h}: engine-only "
-                                  f"{sorted(set(g.tolist()) - set(w.tolist()))} reference-only "
-                                  f"{sorted(set(w.tolist()) - set(g.tolist()))}")
+                    self.report.append(
+                        f"L={L} layer {li} head {h}: engine-only "
+                        f"{sorted(set(g.tolist()) - set(w.tolist()))} reference-only "
+                        f"{sorted(set(w.tolist()) - set(g.tolist()))}")
         return want
 
+
+@pytest.mark.parametrize("idx", [0, 1, 2])
+def test_h2o_matches_dense_reference(llm, hf, prompts, idx):
+    model, _ = hf
+    prompt = prompts[idx]
+    got_tokens, snaps, cached = _vllm_generate(llm, prompt, MAX_TOKENS)
+    assert cached == 0
+    assert all(p.new_len == BUDGET for p, _ in snaps)
+
+    check = KeptSetChecker(snaps, RECENT)
     ref_tokens, evictions = h2o_generate(model, prompt, MAX_TOKENS, BUDGET, RECENT, BLOCK,
-                                         chunk=CHUNK, on_evict=compare)
-    ties = counts["differ"] - len(report)
-    total = counts["exact"] + counts["differ"]
+                                         chunk=CHUNK, on_evict=check)
     print(f"\nprompt {idx}: {len(prompt)} tokens, compactions at "
-          f"L={[L for L, _, _ in evictions]}, {counts['exact']}/{total} (layer, head) kept "
-          f"sets exact, {ties} ties, {len(report)} unexplained; "
+          f"L={[L for L, _, _ in evictions]}, {check.summary()}; "
           f"tokens equal: {got_tokens == ref_tokens}")
     assert [p.logical_len for p, _ in snaps] == [L for L, _, _ in evictions]
     assert len(evictions) >= 2, "the test should exercise repeated compactions"
-    assert not report, "\n".join(report[:20])
-    assert counts["exact"] >= 0.99 * total, counts
+    assert not check.report, "\n".join(check.report[:20])
+    assert check.exact >= 0.99 * check.total, check.summary()
     first_diff = next((i for i, (a, b) in enumerate(zip(got_tokens, ref_tokens)) if a != b),
                       None)
     assert got_tokens == ref_tokens, f"first differing generated token: {first_diff}"

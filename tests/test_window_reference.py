@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from test_h2o_reference import (  # noqa: F401  (fixtures)
-    BLOCK, CHUNK, DenseH2O, _vllm_generate, h2o_generate, hf, one_thread, prompts)
+    BLOCK, CHUNK, DenseH2O, KeptSetChecker, _vllm_generate, h2o_generate, hf, one_thread,
+    prompts)
 from window_reference import keep, selection_scores, token_scores
 
 BUDGET, WINDOW = 64, 32  # recent defaults to the window
@@ -82,42 +83,14 @@ def test_window_policy_matches_dense_reference(llm, hf, prompts, idx):
     prompt = prompts[idx]
     got_tokens, snaps, cached = _vllm_generate(engine, prompt, MAX_TOKENS)
     assert cached == 0
-    engine_iter = iter(snaps)
-    counts = {"exact": 0, "tie": 0}
-    report = []
-
-    def compare(L, want, scores):
-        plan, got = next(engine_iter, (None, None))
-        assert plan is not None, f"the reference evicts at L={L}, the engine did not"
-        assert plan.logical_len == L, (plan.logical_len, L)
-        want = want.clone()
-        for li in range(got.shape[0]):
-            for h in range(got.shape[1]):
-                g, w = got[li, h], want[li, h]
-                if torch.equal(g, w):
-                    counts["exact"] += 1
-                    continue
-                only = sorted(set(g.tolist()) ^ set(w.tolist()))
-                s = scores[li, h, torch.tensor(only)]
-                boundary = scores[li, h, w].min()
-                if bool(((s - boundary).abs() <= 1e-4 * boundary.abs() + 1e-6).all()):
-                    counts["tie"] += 1
-                    want[li, h] = g
-                else:
-                    report.append(f"L={L} layer {li} head {h}: engine-only "
-                                  f"{sorted(set(g.tolist()) - set(w.tolist()))} reference-only "
-                                  f"{sorted(set(w.tolist()) - set(g.tolist()))}")
-        return want
-
+    check = KeptSetChecker(snaps, WINDOW)
     ref_tokens, evictions = h2o_generate(model, prompt, MAX_TOKENS, BUDGET, WINDOW, BLOCK,
-                                         chunk=CHUNK, on_evict=compare,
+                                         chunk=CHUNK, on_evict=check,
                                          make_ref=dense_window(kind))
-    total = counts["exact"] + counts["tie"] + len(report)
     print(f"\n{kind} prompt {idx}: {len(prompt)} tokens, compactions at "
-          f"L={[L for L, _, _ in evictions]}: {counts['exact']}/{total} kept sets exact, "
-          f"{counts['tie']} chunk ties, {len(report)} unexplained; "
+          f"L={[L for L, _, _ in evictions]}: {check.summary()}; "
           f"tokens equal: {got_tokens == ref_tokens}")
     assert [p.logical_len for p, _ in snaps] == [L for L, _, _ in evictions]
     assert len(evictions) >= 3, "prompt-chunk and decode compactions both"
-    assert not report, "\n".join(report[:20])
+    assert not check.report, "\n".join(check.report[:20])
     assert got_tokens == ref_tokens

@@ -30,9 +30,34 @@ from vllm_kvevict.integration.scores import score_queries
 
 @dataclass
 class StepPlacement:
-    """Where this step's decode queries go: token index -> (log row, column)."""
+    """Where this step's queries go: token index -> (buffer row, column)."""
     tokens: torch.Tensor  # (N,) int64 token indices in the step's query tensor
-    cells: torch.Tensor   # (N,) int64 log row * depth + column
+    cells: torch.Tensor   # (N,) int64 row * columns + column
+
+
+def free_row(row_of: dict[str, int]) -> int:
+    """The lowest buffer row no request holds."""
+    used = set(row_of.values())
+    return next(i for i in range(len(row_of) + 1) if i not in used)
+
+
+def store_queries(queries: dict[str, torch.Tensor], layer: str, query: torch.Tensor,
+                  placement: StepPlacement, rows: int, cols: int) -> None:
+    """Copy this step's placed queries into the layer's (R, cols, H_q, D) buffer,
+    grown (by doubling) to at least `rows` rows. query: (num_tokens, H_q, D).
+    Shared by the decode log and the snapkv/andpro query window."""
+    buf = queries.get(layer)
+    if buf is None or buf.shape[0] < rows:
+        old = 0 if buf is None else buf.shape[0]
+        grown = query.new_zeros(max(8, 2 * old, rows), cols, *query.shape[1:])
+        if buf is not None:
+            grown[:old] = buf
+        queries[layer] = buf = grown
+    if placement.tokens.numel():
+        # index_copy_ on the flat (row, column) axis: ~10x cheaper than a
+        # two-index assignment here.
+        buf.view(-1, *buf.shape[2:]).index_copy_(
+            0, placement.cells.to(buf.device), query[placement.tokens.to(query.device)])
 
 
 class DecodeQueryLog:
@@ -49,8 +74,7 @@ class DecodeQueryLog:
     def _row(self, req_id: str) -> int:
         row = self.row_of.get(req_id)
         if row is None:
-            used = set(self.row_of.values())
-            row = next(i for i in range(len(self.row_of) + 1) if i not in used)
+            row = free_row(self.row_of)
             if row >= self.visible.shape[0]:  # grow by doubling
                 grown = torch.zeros(max(8, 2 * self.visible.shape[0]), self.depth,
                                     dtype=torch.int64)
@@ -97,19 +121,8 @@ class DecodeQueryLog:
     def record(self, layer: str, query: torch.Tensor, placement: StepPlacement,
                scale: float) -> None:
         """query: (num_tokens, H_q, D) of this step."""
-        buf = self.queries.get(layer)
-        cap = self.visible.shape[0]
-        if buf is None or buf.shape[0] < cap:
-            grown = torch.zeros(cap, self.depth, *query.shape[1:], dtype=query.dtype)
-            if buf is not None:
-                grown[: buf.shape[0]] = buf
-            self.queries[layer] = buf = grown
+        store_queries(self.queries, layer, query, placement, self.visible.shape[0], self.depth)
         self.scale[layer] = scale
-        if placement.tokens.numel():
-            # index_copy_ on the flat (row, column) axis: ~10x cheaper than a
-            # two-index assignment here.
-            buf.view(-1, *buf.shape[2:]).index_copy_(0, placement.cells,
-                                                     query[placement.tokens])
 
     # --- flush -----------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 
 import torch
 
-from vllm_kvevict.integration.decode_log import StepPlacement
+from vllm_kvevict.integration.decode_log import StepPlacement, free_row, store_queries
 
 
 class QueryWindow:
@@ -45,8 +45,7 @@ class QueryWindow:
     def _row(self, req_id: str) -> int:
         row = self.row_of.get(req_id)
         if row is None:
-            used = set(self.row_of.values())
-            row = next(i for i in range(len(self.row_of) + 1) if i not in used)
+            row = free_row(self.row_of)
             self.capacity = max(self.capacity, row + 1)
             self.row_of[req_id] = row
             self.count[req_id] = 0
@@ -96,17 +95,8 @@ class QueryWindow:
     def record(self, layer: str, query: torch.Tensor, placement: StepPlacement,
                scale: float) -> None:
         """query: (num_tokens, H_q, D) of this step."""
-        buf = self.queries.get(layer)
-        if buf is None or buf.shape[0] < self.capacity:
-            grown = query.new_zeros(max(8, 2 * self.capacity), self.size, *query.shape[1:])
-            if buf is not None:
-                grown[: buf.shape[0]] = buf
-            self.queries[layer] = buf = grown
+        store_queries(self.queries, layer, query, placement, self.capacity, self.size)
         self.scale[layer] = scale
-        if placement.tokens.numel():
-            dev = buf.device
-            buf.view(-1, *buf.shape[2:]).index_copy_(
-                0, placement.cells.to(dev), query[placement.tokens.to(query.device)])
 
     # --- at a compaction -------------------------------------------------------
 
