@@ -17,6 +17,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from vllm_kvevict.config import WINDOW_POLICIES
+
 
 class EvictionPolicy(ABC):
     needs_scores: bool = True  # accumulates attention into the per-slot score buffer
@@ -93,6 +95,6 @@ def make_policy(name: str, sink: int = 4, window: int = 32) -> EvictionPolicy:
         return H2OPolicy()
     if name == "streaming":
         return StreamingPolicy(sink)
-    if name in ("snapkv", "andpro"):
+    if name in WINDOW_POLICIES:
         return WindowPolicy(name, window)
     raise ValueError(f"no eviction policy named {name!r}")
