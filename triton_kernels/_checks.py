@@ -1,0 +1,42 @@
+"""Argument checks shared by the launchers: fail with a message, never launch on bad input."""
+from __future__ import annotations
+
+import torch
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def expect(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def float_tensor(name: str, x: torch.Tensor, dim: int, unit_last: bool = True) -> None:
+    """`x` has `dim` dims, a float dtype the kernels read, and (by default) unit
+    stride on its last dim (the kernels vectorise along it)."""
+    expect(x.dim() == dim, f"{name}: expected {dim} dims, got shape {tuple(x.shape)}")
+    expect(x.dtype in FLOATS, f"{name}: dtype {x.dtype} is not one of {FLOATS}")
+    expect(not unit_last or x.stride(-1) == 1 or x.shape[-1] == 1,
+           f"{name}: last dim must have unit stride, strides {x.stride()}")
+
+
+def index_tensor(name: str, x: torch.Tensor, shape: tuple, device) -> torch.Tensor:
+    """An integer tensor of exactly `shape`, returned contiguous on `device`."""
+    expect(not x.is_floating_point() and not x.is_complex(), f"{name}: must be integer, got {x.dtype}")
+    expect(tuple(x.shape) == tuple(shape), f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
+    return x.to(device).contiguous()
+
+
+def same_device(*xs: torch.Tensor) -> None:
+    devs = {x.device for x in xs}
+    expect(len(devs) == 1, f"tensors on different devices: {sorted(map(str, devs))}")
+
+
+def pow2_at_least_16(name: str, n: int) -> None:
+    expect(n >= 16 and n & (n - 1) == 0, f"{name} must be a power of two >= 16 (tl.dot tiles), got {n}")
+
+
+def float_vector(name: str, x: torch.Tensor, n: int, device) -> torch.Tensor:
+    """A float32 (n,) copy of `x` on `device`."""
+    expect(tuple(x.shape) == (n,), f"{name}: expected ({n},), got {tuple(x.shape)}")
+    return x.to(device, torch.float32).contiguous()
