@@ -5,6 +5,12 @@ import os
 
 # In-process engine core: tests read vLLM's own BlockPool and the worker state.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+# Triton kernels run on CPU only through the interpreter, which must be on
+# before anything imports triton.language (vLLM does, at import): a kernel
+# decorated without it cannot call tl.* helpers under it later. vLLM's CPU
+# path runs no Triton kernel, so the engines are unaffected.
+if not os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

@@ -248,11 +248,11 @@ def test_impl_rejects_what_eviction_cannot_serve(vllm_cfg):
 
 # --- forward: KV write at physical slots, then H2O scores ----------------------
 
-def flash_cache(bs=BS, nb=12):
-    """A bf16 layer cache as vLLM 0.32 views it for FlashAttention: logical
+def flash_cache(bs=BS, nb=12, dtype=torch.bfloat16):
+    """A layer cache as vLLM 0.32 views it for FlashAttention: logical
     [NB, H, BS, 2D] over a [NB, BS, H, 2D] (LBNHC) buffer."""
     g = torch.Generator().manual_seed(0)
-    raw = torch.randn(nb, bs, HKV, 2 * D, generator=g).to(torch.bfloat16)
+    raw = torch.randn(nb, bs, HKV, 2 * D, generator=g).to(dtype)
     return raw.permute(0, 2, 1, 3)
 
 
@@ -280,7 +280,16 @@ def reference_scores(before, kv, query, seqs, qsl, scale):
     return out
 
 
-def test_forward_writes_physical_slots_and_scores(vllm_cfg, monkeypatch):
+def kernels(monkeypatch, which):
+    """Select the torch or the Triton path (`vllm_kvevict.kernels`); Triton runs
+    in its interpreter here (conftest), which has no bf16: the cache dtype for the path."""
+    monkeypatch.setenv("VLLM_KVEVICT_KERNELS", which)
+    return torch.float32 if which == "triton" else torch.bfloat16
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_forward_writes_physical_slots_and_scores(vllm_cfg, monkeypatch, path):
+    dtype = kernels(monkeypatch, path)
     vc = vllm_cfg(H2O)
     impl = make_impl(vc, sliding_window=None)
     builder, _ = make_builder(vc)
@@ -295,15 +304,15 @@ def test_forward_writes_physical_slots_and_scores(vllm_cfg, monkeypatch):
         seen["md"] = metadata
         return output
     monkeypatch.setattr(fa.FlashAttentionImpl, "forward", kernel)
-    kv = flash_cache()
+    kv = flash_cache(dtype=dtype)
     layer = SimpleNamespace(layer_name="l0", _k_scale=torch.ones(()), _v_scale=torch.ones(()))
     lc = state.layer("l0", kv, impl._layout)
     assert isinstance(lc.layout, NHDLayout) and lc.scores.shape == (HKV, 12 * BS)
     lc.scores.fill_(1.0)  # old importance: new slots must restart from zero
     before, kv_before = lc.scores.clone(), kv.clone()
     g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(9, n, D, generator=g).to(torch.bfloat16) for n in (HQ, HKV, HKV))
-    out = torch.zeros(9, HQ, D, dtype=torch.bfloat16)
+    q, k, v = (torch.randn(9, n, D, generator=g).to(dtype) for n in (HQ, HKV, HKV))
+    out = torch.zeros(9, HQ, D, dtype=dtype)
     assert impl.forward(layer, q, k, v, kv, md, out) is out and seen["md"] is md
     for i, s in enumerate(PHYS_SLOTS):
         token = kv[s // BS, :, s % BS]  # [H, 2D]
@@ -314,8 +323,92 @@ def test_forward_writes_physical_slots_and_scores(vllm_cfg, monkeypatch):
     torch.testing.assert_close(lc.scores, want, rtol=1e-4, atol=1e-5)
 
 
+def test_fused_decode_step_on_the_triton_path(vllm_cfg, monkeypatch):
+    """An all-decode H2O step: one Triton kernel gives the attention output and
+    the scores; the stock kernel is not called."""
+    from vllm_kvevict.triton_kernels.reference import paged_attention_scores_ref
+
+    dtype = kernels(monkeypatch, "triton")
+    vc = vllm_cfg(H2O)
+    impl = make_impl(vc, sliding_window=None)
+    builder, _ = make_builder(vc)
+    state = worker.worker_state()
+    state.runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "c"]))
+    state.evicted = dict(EVICTED)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)  # rows a and c of the mixed batch
+    md = builder.build(0, CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(),
+        seq_lens=torch.tensor([40, 70], dtype=torch.int32), num_reqs=2, num_actual_tokens=2,
+        max_query_len=1, max_seq_len=70, block_table_tensor=BLOCKS[[0, 2]].clone(),
+        slot_mapping=torch.tensor([LOGICAL_SLOTS[0], LOGICAL_SLOTS[-1]])))
+    monkeypatch.setattr(fa, "reshape_and_cache_flash", reshape_and_cache_flash, raising=False)
+
+    def stock_kernel(*args):
+        raise AssertionError("the fused path must not call the stock kernel")
+    monkeypatch.setattr(fa.FlashAttentionImpl, "forward", stock_kernel)
+    kv = flash_cache(dtype=dtype)
+    layer = SimpleNamespace(layer_name="l0", _k_scale=torch.ones(()), _v_scale=torch.ones(()))
+    lc = state.layer("l0", kv, impl._layout)
+    lc.scores.fill_(1.0)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, n, D, generator=g) for n in (HQ, HKV, HKV))
+    out = torch.zeros(2, HQ, D)
+    before = lc.scores.clone()
+    assert impl.forward(layer, q, k, v, kv, md, out) is out
+    kc, vcache = lc.layout.split(kv)
+    new = [PHYS_SLOTS[0], PHYS_SLOTS[-1]]
+    assert torch.equal(kc[new[0] // BS, new[0] % BS], k[0])  # written at the physical slot
+    want_out, delta = paged_attention_scores_ref(q, kc, vcache, BLOCKS[[0, 2]], torch.arange(2),
+                                                 torch.tensor([32, 40]), 0.3)
+    before[:, new] = 0.0  # the new tokens' slots restart from zero
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lc.scores, before + delta, rtol=1e-5, atol=1e-5)
+
+
 def test_layout_requires_one_block_size(vllm_cfg):
     impl = make_impl(vllm_cfg(H2O), sliding_window=None)
     assert impl._layout(flash_cache()).block_size == BS
     with pytest.raises(ValueError, match="one block size"):
         impl._layout(flash_cache(bs=32))
+
+
+# --- compaction on the Triton path: the same cache as the torch path ------------
+
+def compact_once(path, policy, dst_blocks, monkeypatch):
+    """Two layers of one buffer (as vLLM allocates them), request "a" compacted
+    from 40 resident tokens in blocks [3, 7, 1] to 20; returns the buffer, the
+    scores and the kept positions."""
+    from vllm_kvevict.integration.plans import CompactionPlan
+
+    kernels(monkeypatch, path)
+    dtype = torch.float32  # both paths on the same data (the interpreter has no bf16)
+    nb = 12
+    g = torch.Generator().manual_seed(3)
+    raw = torch.randn(2 * nb, BS, HKV, 2 * D, generator=g).to(dtype)  # LBNHC, 2 layers
+    state = worker.WorkerEviction(EvictionConfig.from_dict({"kv_eviction": policy,
+                                                            "kv_budget": 32}), BS)
+    state.record_kept = True
+    make_layout = NHDLayout.for_cache
+    for i in range(2):
+        lc = state.layer(f"l{i}", raw[i * nb:(i + 1) * nb].permute(0, 2, 1, 3), make_layout)
+        lc.scores.copy_(torch.rand(lc.scores.shape, generator=g))
+    state.runner = SimpleNamespace(requests={"a": SimpleNamespace(block_ids=[[3, 7, 1]])},
+                                   input_batch=SimpleNamespace(req_id_to_index={}))
+    assert len(state._stacks()) == 1  # one gather/kernel for both layers
+    state._compact(CompactionPlan("a", 0, (3, 7, 1), dst_blocks, old_len=40, new_len=20,
+                                  logical_len=40))
+    scores = torch.cat([state.layers[f"l{i}"].scores for i in range(2)], dim=1)
+    return raw.float(), scores, state.kept["a"].positions
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv"])
+@pytest.mark.parametrize("dst_blocks", [(3, 7), (3, 10)])  # in place; private copy of block 7
+def test_worker_compaction_triton_equals_torch(policy, dst_blocks, monkeypatch):
+    kv_t, scores_t, kept_t = compact_once("torch", policy, dst_blocks, monkeypatch)
+    kv_k, scores_k, kept_k = compact_once("triton", policy, dst_blocks, monkeypatch)
+    assert torch.equal(kept_t, kept_k)
+    assert torch.equal(kv_t, kv_k)
+    slots = [b * BS + o for b in dst_blocks for o in range(BS)][:20]
+    for layer in range(2):  # moved scores; other slots keep theirs
+        cols = torch.tensor(slots) + layer * 12 * BS
+        assert torch.equal(scores_t[:, cols], scores_k[:, cols])

@@ -17,9 +17,8 @@ D = 32
 
 
 @pytest.fixture
-def tk(monkeypatch):
-    """The kernel modules, imported and run with the Triton interpreter on."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def tk():
+    """The kernel modules (on CPU, conftest turned the Triton interpreter on)."""
     names = ["paged_attention", "window", "compaction", "partial_attention", "reference"]
     return SimpleNamespace(**{n: importlib.import_module(f"vllm_kvevict.triton_kernels.{n}")
                               for n in names})
@@ -204,3 +203,41 @@ def test_speculated_tokens_take_the_mean_count_per_head_capped(tk):
     assert [p.shape[1] for p in capped] == [1, 1]
     empty = tk.partial_attention.speculated_tokens(logits[:, :, :0], counts * 0, torch.tensor([0, 0]))
     assert [p.shape for p in empty] == [torch.Size([2, 0])] * 2
+
+
+# ----------------------------------------------------------------- where they run
+
+def test_dispatch_is_one_switch(monkeypatch):
+    from vllm_kvevict import kernels
+    from vllm_kvevict.kv_layout import KVLayout
+
+    nhd = NHDLayout(16, 2, 64, torch.float16)
+    x = torch.zeros(1)
+    monkeypatch.delenv("VLLM_KVEVICT_KERNELS", raising=False)
+    assert not kernels.use_triton(x) and not kernels.use_triton(x, nhd)  # auto, CPU tensor
+    monkeypatch.setenv("VLLM_KVEVICT_KERNELS", "triton")
+    assert kernels.use_triton(x) and kernels.use_triton(x, nhd)
+    assert not kernels.use_triton(x, NHDLayout(8, 2, 64, torch.float16))  # block < one tile
+    cpu_layout = object.__new__(KVLayout)  # the ISA-packed CPU cache: never the kernels
+    assert not kernels.use_triton(x, cpu_layout)
+    monkeypatch.setenv("VLLM_KVEVICT_KERNELS", "torch")
+    assert not kernels.use_triton(x, nhd)
+    monkeypatch.setenv("VLLM_KVEVICT_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="VLLM_KVEVICT_KERNELS"):
+        kernels.use_triton(x)
+
+
+def test_window_policy_scores_through_the_kernel_when_chosen(tk, monkeypatch):
+    from vllm_kvevict.window_scores import window_scores
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = torch.randn(1, 8, 6, D, generator=g), *torch.randn(2, 1, 2, 40, D, generator=g)
+    want = window_scores("andpro", q, k, v, 0.2, recent=8)
+    calls = []
+    kernel = tk.window.window_raw_scores
+    monkeypatch.setattr(tk.window, "window_raw_scores",
+                        lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    monkeypatch.setenv("VLLM_KVEVICT_KERNELS", "triton")
+    torch.testing.assert_close(window_scores("andpro", q, k, v, 0.2, recent=8), want,
+                               rtol=1e-4, atol=1e-5)
+    assert calls == [1]

@@ -55,7 +55,6 @@ def paged_attention_scores(query: torch.Tensor, key_cache: torch.Tensor,
     expect(query.dtype == key_cache.dtype == value_cache.dtype,
            f"dtypes differ: query {query.dtype}, K {key_cache.dtype}, V {value_cache.dtype}")
     pow2_at_least_16("block size", bs)
-    expect(d >= 16, f"head size {d} < 16 (tl.dot tiles)")
     expect(scores is not None or write_out, "nothing to compute: no scores and write_out=False")
     same_device(query, key_cache, value_cache)
     dev = query.device
@@ -77,7 +76,7 @@ def paged_attention_scores(query: torch.Tensor, key_cache: torch.Tensor,
     if t == 0:
         return out if write_out else None
     g = hq // h
-    g_pad, d_pad = max(16, triton.next_power_of_2(g)), triton.next_power_of_2(d)
+    g_pad, d_pad = max(16, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(d))
     n_max = int(visible.max()) if max_visible is None else max_visible
     length = max(bs, triton.cdiv(n_max, bs) * bs)
     tile = max(1, _SCRATCH_ELEMENTS // (h * g * length)) if scores is not None else t

@@ -33,7 +33,6 @@ def window_raw_scores(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     expect(hq % h == 0, f"{hq} query heads are not a multiple of {h} KV heads")
     expect(1 <= w <= n, f"window {w} must be within 1..{n} resident tokens")
     expect(q.dtype == k.dtype == v.dtype, f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    expect(d >= 16, f"head size {d} < 16 (tl.dot tiles)")
     out = torch.zeros(b, h, n, dtype=torch.float32, device=q.device)
     g = hq // h
     grid = (b, h, triton.cdiv(g * w, ROWS))
@@ -43,7 +42,7 @@ def window_raw_scores(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1),
-        G=g, D=d, D_PAD=triton.next_power_of_2(d), ROWS=ROWS, BLOCK_N=BLOCK_N,
+        G=g, D=d, D_PAD=max(16, triton.next_power_of_2(d)), ROWS=ROWS, BLOCK_N=BLOCK_N,
         ANDPRO=kind == "andpro",
     )
     return out

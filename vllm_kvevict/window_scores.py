@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm_kvevict.kernels import triton_module, use_triton
+
 POOL_KERNEL = 7  # AnDPro appendix B.3 (and SnapKV's kernel for max pooling)
 CHUNK = 4  # AnDPro section 3.4 / Algorithm 1 chunk size
 
@@ -51,7 +53,10 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Te
 
 def raw_scores(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
-    """(B, H, n) float32 per-token window scores before pooling, tiled over B."""
+    """(B, H, n) float32 per-token window scores before pooling, tiled over B
+    (the Triton kernel's reference; on CUDA the kernel runs instead)."""
+    if use_triton(q):
+        return triton_module("window").window_raw_scores(kind, q.to(k.dtype), k, v, scale)
     b, w, hq, _ = q.shape
     h, n = k.shape[1], k.shape[2]
     out = torch.empty(b, h, n, dtype=torch.float32, device=q.device)

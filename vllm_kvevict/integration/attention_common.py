@@ -7,6 +7,8 @@
   write_kv         the backend's own KV write, at the physical slots
   score_step       H2O scores of this step's queries, after attention (or,
                    for snapkv/andpro, their queries kept for the next compaction)
+  fused_decode     H2O decode steps on the Triton path: attention and scores
+                   in one pass over K and V, instead of the stock kernel + score_step
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from vllm.v1.attention.backend import AttentionType
 from vllm_kvevict.config import EvictionConfig
 from vllm_kvevict.integration.scores import accumulate_scores
 from vllm_kvevict.integration.worker import worker_state
+from vllm_kvevict.kernels import triton_module, use_triton
 
 PLACEMENT_ATTR = "kvevict_decode_placement"  # set on a step's attention metadata
 SCORED_ATTR = "kvevict_scored_rows"  # (num_reqs,) bool, or None for all rows
@@ -108,3 +111,29 @@ def score_step(impl, layer, query, kv_cache, attn_metadata, make_layout) -> None
                       attn_metadata.block_table, attn_metadata.slot_mapping, impl.scale,
                       decode=placement is None,
                       rows=getattr(attn_metadata, SCORED_ATTR, None))
+
+
+def fused_decode(impl, layer, query, kv_cache, attn_metadata, output, make_layout) -> bool:
+    """Attention output and H2O scores of an all-decode step from one Triton
+    kernel (`triton_kernels.paged_attention`), written into `output`
+    (num_tokens, H_q, D). Returns False, doing nothing, when the step is not
+    such a step (prefill rows, no scoring policy, decode log, torch path)."""
+    state = worker_state()
+    if (state is None or impl.attn_type != AttentionType.DECODER or state.policy.window
+            or not state.policy.needs_scores or attn_metadata.max_query_len != 1
+            or getattr(attn_metadata, PLACEMENT_ATTR, None) is not None):
+        return False
+    lc = state.layer(layer.layer_name, kv_cache, make_layout)
+    if not use_triton(query, lc.layout):
+        return False
+    n = attn_metadata.num_actual_tokens
+    key_cache, value_cache = lc.layout.split(kv_cache)
+    lc.scores[:, attn_metadata.slot_mapping[:n].long()] = 0.0  # new tokens start at zero
+    rows = getattr(attn_metadata, SCORED_ATTR, None)
+    weight = None if rows is None else rows[:n].to(query.device, torch.float32)
+    triton_module("paged_attention").paged_attention_scores(
+        query[:n], key_cache, value_cache, attn_metadata.block_table,
+        torch.arange(n, device=query.device), attn_metadata.seq_lens[:n], impl.scale,
+        scores=lc.scores, score_weight=weight, out=output[:n].view(n, *query.shape[1:]),
+        max_visible=attn_metadata.max_seq_len)
+    return True

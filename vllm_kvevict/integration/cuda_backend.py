@@ -12,6 +12,10 @@ wrapper in ``backend.py``, and keeps the stock FlashAttention kernels:
      metadata's (physical) slot mapping;
   3. scores: after attention, H2O scores are accumulated beside the cache,
      read through ``NHDLayout`` (the cache is ``[NB, H, BS, 2D]``, any stride order).
+     On the Triton path (`vllm_kvevict.kernels`) an all-decode H2O step skips
+     the stock kernel: `fused_decode` computes the output and the scores in one
+     pass over K and V; other steps use the stock kernel, then the Triton score
+     kernel for their decode rows.
 
 Two more things only matter on a GPU: the builder reports no CUDA-graph support
 while eviction is on (the physical view and the score pass are eager Python,
@@ -43,8 +47,10 @@ except ImportError as e:  # keep the reason: the caller decides whether it matte
 
 from vllm_kvevict.integration.attention_common import (
     PLACEMENT_ATTR,
+    SCORED_ATTR,
     eviction_config,
     evictable_spec,
+    fused_decode,
     physical_metadata,
     score_step,
     write_kv,
@@ -73,6 +79,7 @@ class EvictingFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
             return super().build(common_prefix_len, logical, fast_build)
         cm = physical_metadata(self.state, logical, self.block_size)
         metadata = super().build(common_prefix_len, cm, fast_build)
+        setattr(metadata, SCORED_ATTR, self.state.scored_rows(cm.num_reqs))
         if self.state.policy.window:  # snapkv/andpro keep their window queries
             placement = self.state.place_queries(
                 cm.num_reqs, cm.query_start_loc_cpu, cm.seq_lens[: cm.num_reqs].cpu(),
@@ -116,6 +123,8 @@ class EvictingFlashAttentionImpl(FlashAttentionImpl):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata,
                                    output, output_scale, output_block_scale)
         write_kv(self, layer, key, value, kv_cache, attn_metadata)
+        if fused_decode(self, layer, query, kv_cache, attn_metadata, output, self._layout):
+            return output
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata,
                               output, output_scale, output_block_scale)
         score_step(self, layer, query, kv_cache, attn_metadata, self._layout)

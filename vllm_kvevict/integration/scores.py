@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_kvevict.kernels import triton_module, use_triton
 from vllm_kvevict.kv_layout import token_slots
 
 # Bound the (R, H, Q*G, M) float32 logits of one tile to about 64 MB.
@@ -86,7 +87,13 @@ def accumulate_scores(scores: torch.Tensor, layout, key_cache: torch.Tensor,
     wanted = torch.ones_like(q_lens, dtype=torch.bool) if rows is None else rows.cpu()
     if decode:
         rows = torch.nonzero((q_lens == 1) & wanted).flatten()
-        if rows.numel():
+        if rows.numel() and use_triton(query, layout):  # one pass, no gather
+            dev = query.device
+            triton_module("paged_attention").paged_attention_scores(
+                query[qsl[rows].to(dev)], key_cache, key_cache, block_table, rows.to(dev),
+                seq[rows].to(dev), scale, scores=scores, write_out=False,
+                max_visible=int(seq[rows].max()))
+        elif rows.numel():
             nblk = -(-int(seq[rows].max()) // layout.block_size)
             score_queries(scores, layout, key_cache, query[qsl[rows].to(query.device)][:, None],
                           seq[rows, None], block_table[rows.to(block_table.device), :nblk],

@@ -26,6 +26,7 @@ from vllm_kvevict.config import EvictionConfig
 from vllm_kvevict.integration.decode_log import DecodeQueryLog, StepPlacement
 from vllm_kvevict.integration.plans import STEP_ATTR, CompactionPlan, EvictionStep
 from vllm_kvevict.integration.query_window import QueryWindow
+from vllm_kvevict.kernels import triton_module, use_triton
 from vllm_kvevict.kv_layout import token_slots
 from vllm_kvevict.policies import make_policy
 
@@ -61,7 +62,7 @@ class LayerStack:
         nb, step = kv0.shape[0], kv0.stride(0) * kv0.shape[0]
         uniform = all(
             lc.kv_cache.shape == kv0.shape and lc.kv_cache.stride() == kv0.stride()
-            and lc.kv_cache.dtype == kv0.dtype and lc.layout is lay0
+            and lc.kv_cache.dtype == kv0.dtype and lc.layout == lay0
             and lc.kv_cache.untyped_storage().data_ptr() == kv0.untyped_storage().data_ptr()
             and lc.kv_cache.storage_offset() == kv0.storage_offset() + i * step
             for i, lc in enumerate(layers))
@@ -232,11 +233,16 @@ class WorkerEviction:
             num_layers, h, _ = scores.shape
             keep = self.policy.select(scores.reshape(num_layers * h, -1), plan.new_len,
                                       keep_recent).view(num_layers, h, plan.new_len)
-            compact(st.layout, kc, vc, src_rows, dst_blocks[None] + layer * st.num_blocks,
-                    keep, gathered=gathered)
-            if self.policy.needs_scores:
-                move_scores(st.scores, src_slots, dst[None] + layer * st.num_blocks * bs,
-                            keep, old=scores)
+            dst_rows = dst_blocks[None] + layer * st.num_blocks  # (L, n_dst)
+            if use_triton(kc, st.layout):  # K, V and scores moved in place, in one kernel
+                triton_module("compaction").compact_in_place(
+                    kc, vc, st.scores if self.policy.needs_scores else None, src_slots,
+                    token_slots(dst_rows, dst_rows.shape[1] * bs, bs), keep)
+            else:
+                compact(st.layout, kc, vc, src_rows, dst_rows, keep, gathered=gathered)
+                if self.policy.needs_scores:
+                    move_scores(st.scores, src_slots, dst[None] + layer * st.num_blocks * bs,
+                                keep, old=scores)
             if self.record_kept:
                 pos = (logical[first:first + num_layers] if logical.dim() == 3
                        else logical.expand(num_layers, h, -1))

@@ -1,0 +1,606 @@
+"""Per-decode-step cost of KV eviction vs batch size and context length.
+
+How much does the plugin add to every decode step, and how does that grow with
+the work? For each (batch, ctx) point, stock vLLM and the plugin (h2o by
+default; --policies adds others) run the same requests in the same run, and
+the table reports ms per decode step for both, the difference, and where the
+plugin's time goes.
+
+Method
+------
+* Engines. One engine per (policy, ctx), each in its own subprocess, reused
+  for every batch size at that ctx. Not one engine per policy: the plugin's
+  budget is an engine setting (additional_config) and must equal ctx here.
+  "stock" is vLLM with no general plugin loaded at all (VLLM_PLUGINS=""), so
+  the baseline is what a user gets without installing vllm_kvevict. All
+  engines: SmolLM2-135M-Instruct (the embedded default model), bfloat16,
+  enforce_eager, block size 32, max_model_len 8192, prefix caching off (both
+  do the same prefill), KV pool sized explicitly for the largest batch at that
+  ctx (no preemption), max_num_batched_tokens = largest batch * ctx so that
+  the whole batch is prefilled in ONE step and every request then decodes in
+  lockstep (with chunked prefill, the first requests would decode, and finish,
+  while later ones are still prefilling).
+* Interleaving. The engines of one ctx are alive at the same time (blocked on
+  a pipe when idle), and each point runs stock and plugin back to back, order
+  alternating between points, so slow drift on a shared machine (another
+  process on the other core) hits both sides alike.
+* A point. `batch` requests, prompts of exactly `ctx` token ids sliced from a
+  real-text corpus at distinct offsets (benchmarks/throughput.make_prompts),
+  max_tokens = --decode (default 96 = 3 blocks), ignore_eos, greedy. The
+  engine is driven step by step (LLMEngine.step) and every step is timed.
+  Only steps whose SchedulerOutput schedules exactly one token for each of the
+  `batch` requests count as decode steps (no prefill, nobody finished).
+* Statistic: the MEAN decode-step time, not the median. The plugin's work is
+  periodic: H2O scores decode queries in batches of up to 16 steps (decode
+  log flush) and, with all requests in lockstep, every request compacts in the
+  same step once per block (32 steps). A median picks a step with neither and
+  hides most of the overhead; the mean amortises it, as throughput sees it.
+  Medians are reported beside it (their difference is roughly the per-step
+  hooks alone).
+* Budget = ctx, so the plugin never evicts prompt tokens before decode starts
+  and attends over about as many tokens as stock: stock grows from ctx to
+  ctx + decode, the plugin compacts back to ctx whenever it reaches
+  ctx + 32. The "resident" column gives the mean tokens attended per request
+  over the decode steps for both (from vLLM's num_computed_tokens minus the
+  plugin's evicted counts): the plugin attends over (decode - 32) / 2 fewer
+  tokens on average, a small bias in its favour (under 5% of the attention
+  work for ctx >= 1024). Compactions are the scheduler-side manager's own
+  num_compactions counter (expect about 2 per request with decode 96).
+* Breakdown (plugin rows): timers wrapped around plugin functions from this
+  script only (no plugin file is edited), nested timers count exclusive time,
+  summed over the decode steps and divided by their number:
+    scoring     backend.score_step (per layer: store the step's queries, zero
+                new slots), DecodeQueryLog.flush (batched H2O scoring of the
+                logged queries, wherever called), WorkerEviction._window_scores
+    compaction  WorkerEviction._compact (select + gather/scatter of KV and
+                scores)
+    bookkeeping WorkerEviction.begin_step / place_queries, backend.
+                physical_metadata, EvictableAttentionManager.remove_skipped_blocks
+  "other" = overhead - (scoring + compaction + bookkeeping): what the timers
+  do not see (e.g. the backend writing KV itself, the wrappers' own cost of a
+  few microseconds per call, noise).
+* Not counted: prefill steps. Under h2o, prefill also scores the prompt in
+  plain torch (quadratic in ctx), which is slow on CPU; its wall time is in
+  the JSON ("prefill_s") but not in the table.
+
+Grid: batch {1, 8, 32, 128} x ctx {256, 1024, 4096, 8000}, skipping points
+whose prompt tokens batch * ctx exceed --kv-cap (default 64K tokens: the
+prefill of the larger points costs minutes each on one core; pass
+--kv-cap 131072 to add 32x4096 and 128x1024). Skipped points are printed.
+
+Command (full default grid, one core; see benchmarks/scaling.md for its time):
+    VLLM_CPU_OMP_THREADS_BIND=1 taskset -c 1 .venv/bin/python benchmarks/scaling.py \\
+        --json benchmarks/scaling.json --plot benchmarks/scaling.png
+Smoke test (a few minutes):
+    VLLM_CPU_OMP_THREADS_BIND=1 taskset -c 1 .venv/bin/python benchmarks/scaling.py --quick
+"""
+
+from __future__ import annotations
+
+import os
+
+# In-process engine core: the scheduler and the worker state are readable here.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+import argparse
+import functools
+import json
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from throughput import (RESULT_MARKER, _fmt, git_head, kv_bytes_per_token, make_prompts,
+                        plugin_fingerprint)
+
+from vllm_kvevict.config import POLICIES
+from vllm_kvevict.integration.probe import scheduler_of
+
+READY_MARKER = "@@KVEVICT_READY@@ "
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 8192
+CATEGORIES = ("scoring", "compaction", "bookkeeping")
+
+
+# --------------------------------------------------------------------------- grid
+
+
+def grid(batches, contexts, decode: int, kv_cap: int):
+    """(points, skipped): points are (batch, ctx); skipped are (batch, ctx, why)."""
+    points, skipped = [], []
+    for ctx in contexts:
+        for b in batches:
+            if ctx + decode > MAX_MODEL_LEN:
+                skipped.append((b, ctx, f"ctx + decode > max_model_len {MAX_MODEL_LEN}"))
+            elif b * ctx > kv_cap:
+                skipped.append((b, ctx, f"batch*ctx = {b * ctx} > --kv-cap {kv_cap}"))
+            else:
+                points.append((b, ctx))
+    return points, skipped
+
+
+def engine_config(policy: str, ctx: int, max_batch: int, args) -> dict:
+    """One engine's settings: pool for max_batch requests of ctx + decode tokens."""
+    blocks_per_req = math.ceil((ctx + args.decode) / BLOCK_SIZE)
+    # The warm-up (max_batch x 56 tokens) fits too; vLLM wants room for one
+    # max_model_len request; + 1 null block + 2 spare.
+    blocks = max(max_batch * max(blocks_per_req, 2), MAX_MODEL_LEN // BLOCK_SIZE) + 3
+    return dict(policy=policy, ctx=ctx, max_batch=max_batch, model=args.model,
+                dtype=args.dtype, decode=args.decode, pool_blocks=blocks,
+                max_num_batched_tokens=max(max_batch * ctx, MAX_MODEL_LEN))
+
+
+# --------------------------------------------------------------------------- timers
+
+
+class Timers:
+    """Exclusive wall time per category of wrapped functions (nested calls are
+    subtracted from their caller), plus call counts."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._stack: list[float] = []  # child time of each open call
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+    def patch(self, owner, name: str, category: str) -> None:
+        """Replace owner.name (a class method or a module global) by a timed wrapper."""
+        fn = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            self._stack.append(0.0)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                child = self._stack.pop()
+                self.seconds[category] += dt - child
+                self.calls[name] += 1
+                if self._stack:
+                    self._stack[-1] += dt
+
+        setattr(owner, name, timed)
+
+
+def install_timers() -> Timers:
+    """Wrap the plugin's per-step functions where they are looked up: methods on
+    their classes, module-level functions in the module that calls them."""
+    from vllm_kvevict.integration import backend, decode_log, spec, worker
+
+    t = Timers()
+    t.patch(backend, "score_step", "scoring")  # called by EvictingCPUAttentionImpl.forward
+    t.patch(decode_log.DecodeQueryLog, "flush", "scoring")
+    t.patch(worker.WorkerEviction, "_window_scores", "scoring")
+    t.patch(worker.WorkerEviction, "_compact", "compaction")
+    t.patch(worker.WorkerEviction, "begin_step", "bookkeeping")
+    t.patch(worker.WorkerEviction, "place_queries", "bookkeeping")
+    t.patch(backend, "physical_metadata", "bookkeeping")  # called by the metadata builder
+    t.patch(spec.EvictableAttentionManager, "remove_skipped_blocks", "bookkeeping")
+    return t
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+class StepLog:
+    """Wraps this engine's scheduler.schedule: keeps the last SchedulerOutput
+    and the resident (physical) tokens of each running request at that step."""
+
+    def __init__(self, llm) -> None:
+        self.sched = scheduler_of(llm)
+        mgrs = self.sched.kv_cache_manager.coordinator.single_type_managers
+        assert len(mgrs) == 1, f"expected one KV cache group, got {len(mgrs)}"
+        self.manager = mgrs[0]
+        self.out = None
+        self.resident: list[int] = []
+        schedule = self.sched.schedule
+
+        def logged(*args, **kwargs):
+            self.out = schedule(*args, **kwargs)
+            evicted = getattr(self.manager, "evicted", {})
+            # num_computed_tokens already counts the tokens scheduled now
+            self.resident = [r.num_computed_tokens - evicted.get(r.request_id, 0)
+                             for r in self.sched.running]
+            return self.out
+
+        self.sched.schedule = logged
+
+    def is_decode(self, batch: int) -> bool:
+        """Exactly one token for each of `batch` requests: pure decode, all running."""
+        out = self.out
+        return (out is not None and len(out.num_scheduled_tokens) == batch
+                and out.total_num_scheduled_tokens == batch)
+
+    def counters(self) -> tuple[int, int]:
+        m = self.manager
+        return getattr(m, "num_compactions", 0), getattr(m, "num_tokens_evicted", 0)
+
+
+def build_engine(cfg: dict):
+    from vllm import LLM
+
+    additional = {}
+    if cfg["policy"] != "none":
+        additional = {"kv_eviction": cfg["policy"], "kv_budget": cfg["ctx"]}
+    bpt = kv_bytes_per_token(cfg["model"], cfg["dtype"])
+    return LLM(cfg["model"], enforce_eager=True, dtype=cfg["dtype"], block_size=BLOCK_SIZE,
+               max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False, seed=0,
+               max_num_seqs=cfg["max_batch"],
+               max_num_batched_tokens=cfg["max_num_batched_tokens"],
+               kv_cache_memory_bytes=cfg["pool_blocks"] * BLOCK_SIZE * bpt,
+               additional_config=additional)
+
+
+def run_steps(llm, log: StepLog, timers: Timers | None, prompts, decode: int, tag: str):
+    """Submit the prompts, step the engine to the end. Returns per step:
+    (seconds, is_decode, resident tokens per request, {category: seconds})."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=decode, ignore_eos=True, temperature=0.0)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, params)
+    steps = []
+    while engine.has_unfinished_requests():
+        if timers:
+            timers.reset()
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        steps.append((dt, log.is_decode(len(prompts)), log.resident,
+                      dict(timers.seconds) if timers else {}))
+    return steps
+
+
+def measure(llm, log: StepLog, timers: Timers | None, cfg: dict, batch: int) -> dict:
+    """One point: stats over the decode steps of `batch` requests of cfg['ctx'] tokens."""
+    ctx, decode = cfg["ctx"], cfg["decode"]
+    prompts = make_prompts(cfg["model"], batch, ctx)
+    comp0, ev0 = log.counters()
+    t0 = time.perf_counter()
+    steps = run_steps(llm, log, timers, prompts, decode, f"b{batch}c{ctx}")
+    wall = time.perf_counter() - t0
+    comp1, ev1 = log.counters()
+    dec = [s for s in steps if s[1]]
+    ms = [1000 * s[0] for s in dec]  # per decode step, ms
+    breakdown = {c: 1000 * sum(s[3].get(c, 0.0) for s in dec) / max(1, len(dec))
+                 for c in CATEGORIES} if timers else {}
+    return {
+        "ok": True, "policy": cfg["policy"], "batch": batch, "ctx": ctx, "decode": decode,
+        "budget": ctx if cfg["policy"] != "none" else None,
+        "decode_steps": len(dec), "steps": len(steps), "wall_s": wall,
+        "prefill_s": sum(s[0] for s in steps if not s[1]),
+        "mean_ms": statistics.fmean(ms) if ms else None,
+        "median_ms": statistics.median(ms) if ms else None,
+        "min_ms": min(ms, default=None), "max_ms": max(ms, default=None),
+        "step_ms": ms,
+        # mean over decode steps of the mean resident tokens per request
+        "resident": statistics.fmean(statistics.fmean(s[2]) for s in dec) if dec else None,
+        "compactions": comp1 - comp0, "tokens_evicted": ev1 - ev0,
+        "breakdown_ms": breakdown,
+        "loadavg": os.getloadavg()[0],
+    }
+
+
+def warm_up(llm, log: StepLog, cfg: dict) -> None:
+    """Untimed: lazy initialisation and first-step allocations of the engine,
+    with the largest batch of this engine, before any measured point."""
+    prompts = make_prompts(cfg["model"], cfg["max_batch"], 48, seed_offset=5)
+    run_steps(llm, log, None, prompts, 8, "warm")
+
+
+def worker_main(cfg: dict) -> None:
+    """Child: build the engine, then serve points read as JSON lines on stdin."""
+    t0 = time.perf_counter()
+    llm = build_engine(cfg)
+    log = StepLog(llm)
+    warm_up(llm, log, cfg)
+    timers = install_timers() if cfg["policy"] != "none" else None
+    info = {"init_s": time.perf_counter() - t0, "manager": type(log.manager).__name__,
+            "num_gpu_blocks": log.sched.kv_cache_manager.block_pool.num_gpu_blocks,
+            "plugin_sha1": plugin_fingerprint(), "git_head": git_head()}
+    _emit(READY_MARKER, info)
+    for line in sys.stdin:
+        point = json.loads(line)
+        try:
+            res = measure(llm, log, timers, cfg, point["batch"])
+        except Exception as exc:  # report, keep serving
+            import traceback
+
+            traceback.print_exc()
+            res = {"ok": False, "error": repr(exc)[:300]}
+        _emit(RESULT_MARKER, {**res, "policy": cfg["policy"], "batch": point["batch"],
+                              "ctx": cfg["ctx"], **info})
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _emit(marker: str, obj: dict) -> None:
+    sys.stdout.write(marker + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+class Worker:
+    """A child process holding one engine; `call` runs one point on it."""
+
+    def __init__(self, cfg: dict, verbose: bool) -> None:
+        env = dict(os.environ, VLLM_NO_USAGE_STATS="1")
+        if cfg["policy"] == "none":
+            env["VLLM_PLUGINS"] = ""  # stock vLLM: no general plugin loaded
+        if not verbose:
+            env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        self.cfg, self.verbose, self.tail = cfg, verbose, []
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--_worker", json.dumps(cfg)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env=env)
+        self.info, self.error = None, "engine not running"
+
+    def read(self, marker: str) -> dict | None:
+        """Lines until `marker`; None if the child exits first."""
+        for line in self.proc.stdout:
+            if line.startswith(marker):
+                return json.loads(line[len(marker):])
+            self.tail = (self.tail + [line])[-100:]
+            if self.verbose:
+                sys.stderr.write(line)
+        return None
+
+    def ready(self) -> bool:
+        self.info = self.read(READY_MARKER)
+        if self.info is None:
+            sys.stderr.write("".join(self.tail))
+            errors = [ln.strip() for ln in self.tail if "Error" in ln]
+            self.error = f"engine failed to start: {errors[-1] if errors else 'no READY'}"
+        return self.info is not None
+
+    def call(self, batch: int) -> dict:
+        fail = {"ok": False, "policy": self.cfg["policy"], "batch": batch, "ctx": self.cfg["ctx"]}
+        if self.info is None or self.proc.poll() is not None:
+            return {**fail, "error": self.error[:300]}
+        self.proc.stdin.write(json.dumps({"batch": batch}) + "\n")
+        self.proc.stdin.flush()
+        res = self.read(RESULT_MARKER)
+        if res is None:
+            sys.stderr.write("".join(self.tail))
+            return {**fail, "error": f"worker exited ({self.proc.wait()})"}
+        return res
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        for _ in self.proc.stdout:  # drain until the child exits
+            pass
+        self.proc.wait()
+
+
+def run_context(ctx: int, batches: list[int], policies: list[str], args) -> list[dict]:
+    """All points of one ctx: one engine per policy, alive together."""
+    workers = {p: Worker(engine_config(p, ctx, max(batches), args), args.verbose)
+               for p in policies}
+    for p, w in workers.items():
+        ok = w.ready()
+        _log(f"ctx {ctx}: {p} engine " + (f"ready in {w.info['init_s']:.0f}s" if ok
+                                          else "FAILED to start"))
+    results = []
+    try:
+        for i, b in enumerate(batches):
+            order = policies if i % 2 == 0 else policies[::-1]
+            for p in order:
+                r = workers[p].call(b)
+                results.append(r)
+                _log(_summary(r))
+    finally:
+        for w in workers.values():
+            w.close()
+    return results
+
+
+def _summary(r: dict) -> str:
+    head = f"{r['policy']:>9} batch {r['batch']:>3} ctx {r['ctx']:>5}: "
+    if not r.get("ok"):
+        return head + f"FAILED {r.get('error')}"
+    return head + (f"{_fmt(r['mean_ms'], '.1f')} ms/step mean, {_fmt(r['median_ms'], '.1f')} "
+                   f"median over {r['decode_steps']} decode steps, {r['compactions']} "
+                   f"compactions, prefill {r['prefill_s']:.1f}s, wall {r['wall_s']:.1f}s")
+
+
+def _log(msg: str) -> None:
+    print(f"[scaling {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def rows(results: list[dict]) -> list[tuple[dict, dict]]:
+    """(stock, plugin) pairs of the same point, in run order."""
+    stock = {(r["batch"], r["ctx"]): r for r in results if r["policy"] == "none"}
+    return [(stock.get((r["batch"], r["ctx"]), {}), r) for r in results if r["policy"] != "none"]
+
+
+def table(results: list[dict]) -> str:
+    cols = ["batch", "ctx", "policy", "stock ms/step", "plugin ms/step", "overhead ms",
+            "overhead %", "median ms stock / plugin", "compactions (per req)",
+            "scoring ms/step", "compaction ms/step", "bookkeeping ms/step", "other ms/step",
+            "resident tok/req stock / plugin"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---:|" * len(cols)]
+    for s, p in sorted(rows(results), key=lambda sp: (sp[1]["batch"], sp[1]["ctx"])):
+        lines.append("| " + " | ".join(str(c) for c in _cells(s, p)) + " |")
+    return "\n".join(lines)
+
+
+def _cells(s: dict, p: dict) -> list:
+    head = [p["batch"], p["ctx"], p["policy"]]
+    if not (s.get("ok") and p.get("ok")):
+        err = p.get("error") if not p.get("ok") else s.get("error", "no stock run")
+        return head + [f"FAILED: {err}"] + [""] * 10
+    over = p["mean_ms"] - s["mean_ms"]
+    bd = p["breakdown_ms"]
+    other = over - sum(bd.values())
+    return head + [
+        f"{s['mean_ms']:.1f}", f"{p['mean_ms']:.1f}", f"{over:+.1f}",
+        f"{100 * over / s['mean_ms']:+.1f}%", f"{s['median_ms']:.1f} / {p['median_ms']:.1f}",
+        f"{p['compactions']} ({p['compactions'] / p['batch']:.1f})",
+        *(f"{bd[c]:.2f}" for c in CATEGORIES), f"{other:+.2f}",
+        f"{s['resident']:.0f} / {p['resident']:.0f}"]
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_ms, ax_pct) = plt.subplots(1, 2, figsize=(12, 4.5))
+    pairs = [(s, p) for s, p in rows(results) if s.get("ok") and p.get("ok")]
+    lines = sorted({(p["policy"], p["batch"]) for _, p in pairs})
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    batches = sorted({b for _, b in lines})
+    for policy, b in lines:
+        pts = sorted((p["ctx"], s, p) for s, p in pairs if p["policy"] == policy
+                     and p["batch"] == b)
+        x = [c for c, _, _ in pts]
+        color = colors[batches.index(b) % len(colors)]
+        style = "-" if policy == "h2o" else ":"
+        ax_ms.plot(x, [s["mean_ms"] for _, s, _ in pts], "--", color=color, marker="o",
+                   mfc="none")
+        ax_ms.plot(x, [p["mean_ms"] for _, _, p in pts], style, color=color, marker="o",
+                   label=f"batch {b} ({policy})")
+        ax_pct.plot(x, [100 * (p["mean_ms"] / s["mean_ms"] - 1) for _, s, p in pts], style,
+                    color=color, marker="o", label=f"batch {b} ({policy})")
+    for ax in (ax_ms, ax_pct):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (prompt tokens)")
+        ax.grid(alpha=0.3)
+    ax_ms.set_yscale("log")
+    ax_ms.set_ylabel("mean ms per decode step")
+    ax_ms.set_title("stock dashed (open), plugin solid", fontsize=9)
+    ax_ms.legend(fontsize=8)
+    ax_pct.set_ylabel("plugin overhead vs stock (%)")
+    ax_pct.axhline(0, color="gray", lw=0.8)
+    ax_pct.set_title("(plugin - stock) / stock, mean decode step", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def report(results, skipped, args, wall: float, cmd: str) -> str:
+    heads = sorted({f"{r.get('git_head')}/{r.get('plugin_sha1')}" for r in results
+                    if r.get("ok") and r["policy"] != "none"})
+    out = [f"## Decode-step cost vs batch and context: stock vLLM vs plugin "
+           f"({'quick' if args.quick else 'full'})", "",
+           f"command: `{cmd}`  ",
+           f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}; host {platform.node()}, "
+           f"{_cpu_model()}, affinity {sorted(os.sched_getaffinity(0))}  ",
+           f"model {Path(args.model).name}, {args.dtype}, block {BLOCK_SIZE}, max_model_len "
+           f"{MAX_MODEL_LEN}, enforce_eager, prefix caching off, greedy, ignore_eos; "
+           f"{args.decode} decode tokens per request; plugin budget = ctx  ",
+           f"plugin source (git/sha1): {', '.join(heads) or '-'}  ",
+           f"total wall time {wall / 60:.1f} min", "", table(results), ""]
+    if skipped:
+        out.append("skipped: " + "; ".join(f"batch {b} x ctx {c} ({why})"
+                                          for b, c, why in skipped))
+    out.append("\nms/step = mean over decode steps (all requests decoding); overhead = "
+               "plugin - stock means; breakdown = plugin time per decode step by timers "
+               "(see the docstring of benchmarks/scaling.py); resident = mean tokens "
+               "attended per request.")
+    return "\n".join(out)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model dir (default: embedded SmolLM2-135M)")
+    p.add_argument("--policies", nargs="+", default=["h2o"],
+                   choices=[x for x in POLICIES if x != "none"],
+                   help="plugin policies to compare with stock (default h2o)")
+    p.add_argument("--batches", nargs="+", type=int, default=None,
+                   help="default 1 8 32 128")
+    p.add_argument("--contexts", nargs="+", type=int, default=None,
+                   help="prompt lengths in tokens (default 256 1024 4096 8000)")
+    p.add_argument("--decode", type=int, default=None,
+                   help="decode tokens per request (default 96 = 3 blocks)")
+    p.add_argument("--kv-cap", type=int, default=None,
+                   help="skip points with batch * ctx above this many tokens (default 65536)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: batches 1 4, contexts 256 512, decode 96")
+    p.add_argument("--json", metavar="OUT.json", help="write raw results")
+    p.add_argument("--plot", metavar="OUT.png", help="ms/step and overhead %% vs ctx")
+    p.add_argument("--md", metavar="OUT.md", help="also write the report (markdown)")
+    p.add_argument("--verbose", action="store_true", help="show the engines' logs")
+    p.add_argument("--_worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    q = args.quick
+    defaults = dict(batches=[1, 4] if q else [1, 8, 32, 128],
+                    contexts=[256, 512] if q else [256, 1024, 4096, 8000],
+                    decode=96, kv_cap=65536)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.decode < 2 * BLOCK_SIZE:
+        p.error(f"--decode must be >= {2 * BLOCK_SIZE} for a compaction per request")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args._worker:
+        worker_main(json.loads(args._worker))
+        return 0
+    if args.model is None:
+        from vllm_kvevict.models import ensure_smollm2
+
+        args.model = ensure_smollm2()
+    points, skipped = grid(sorted(args.batches), sorted(args.contexts), args.decode,
+                           args.kv_cap)
+    for b, c, why in skipped:
+        _log(f"skipping batch {b} x ctx {c}: {why}")
+    policies = ["none", *args.policies]
+    t0 = time.perf_counter()
+    results = []
+    for ctx in sorted({c for _, c in points}):
+        results += run_context(ctx, [b for b, c in points if c == ctx], policies, args)
+    wall = time.perf_counter() - t0
+    cmd = " ".join([os.path.relpath(sys.executable)] + sys.argv)
+    text = report(results, skipped, args, wall, cmd)
+    print(text, flush=True)
+    if args.md:
+        Path(args.md).write_text(text + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"args": {k: v for k, v in vars(args).items() if k != "_worker"},
+             "command": cmd, "total_s": wall, "skipped": skipped, "results": results},
+            indent=1))
+        _log(f"wrote {args.json}")
+    if args.plot:
+        plot(results, args.plot)
+        _log(f"wrote {args.plot}")
+    return 0 if all(r.get("ok") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""The one place that chooses where the hot paths run: Triton on CUDA, torch elsewhere.
+
+    VLLM_KVEVICT_KERNELS = auto (default) | triton | torch
+
+  auto    Triton kernels (`vllm_kvevict.triton_kernels`) for CUDA tensors when
+          Triton imports; the plain-torch paths otherwise (the CPU backend's
+          cache is ISA-packed, which the kernels do not read).
+  triton  the kernels wherever the data allows, CUDA or not: tests run them on
+          CPU tensors with TRITON_INTERPRET=1.
+  torch   never the kernels (to compare, or to rule them out).
+
+The paged kernels read the FlashAttention cache (`NHDLayout`) only; the window
+and partial-attention kernels take dense tensors.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+MODES = ("auto", "triton", "torch")
+
+
+def mode() -> str:
+    value = os.environ.get("VLLM_KVEVICT_KERNELS", "auto").strip().lower()
+    if value not in MODES:
+        raise ValueError(f"VLLM_KVEVICT_KERNELS={value!r}: expected one of {MODES}")
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_imports() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(x: torch.Tensor, layout=None) -> bool:
+    """Whether the Triton kernel runs for data on x's device (and, for the paged
+    kernels, in the cache `layout`)."""
+    m = mode()
+    if m == "torch" or not _triton_imports():
+        return False
+    if layout is not None:
+        from vllm_kvevict.nhd_layout import NHDLayout
+
+        if not isinstance(layout, NHDLayout) or layout.block_size < 16 \
+                or layout.block_size & (layout.block_size - 1):
+            return False  # the kernels tile one block of a power-of-two size
+    return m == "triton" or x.is_cuda
+
+
+def triton_module(name: str):
+    """A launcher module of `vllm_kvevict.triton_kernels`, imported on first use
+    (importing Triton costs time, and nothing on the CPU path needs it)."""
+    return importlib.import_module(f"vllm_kvevict.triton_kernels.{name}")
