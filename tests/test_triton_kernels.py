@@ -11,7 +11,7 @@ import torch
 
 from vllm_kvevict.compaction import compact, move_scores
 from vllm_kvevict.nhd_layout import NHDLayout
-from vllm_kvevict.window_scores import raw_scores
+from vllm_kvevict.window_scores import raw_scores_torch
 
 D = 32
 
@@ -105,7 +105,7 @@ def test_window_scores_match_torch_path(tk, kind, gqa, w, n):
     k = torch.randn(2, h, n + 7, D, generator=g)[:, :, :n]
     v = torch.randn(2, h, n + 7, D, generator=g)[:, :, :n]
     got = tk.window.window_raw_scores(kind, q, k, v, 0.25)
-    torch.testing.assert_close(got, raw_scores(kind, q, k, v, 0.25), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got, raw_scores_torch(kind, q, k, v, 0.25), rtol=1e-4, atol=1e-5)
 
 
 def test_window_scores_reject_bad_input(tk):
@@ -241,3 +241,15 @@ def test_window_policy_scores_through_the_kernel_when_chosen(tk, monkeypatch):
     torch.testing.assert_close(window_scores("andpro", q, k, v, 0.2, recent=8), want,
                                rtol=1e-4, atol=1e-5)
     assert calls == [1]
+
+
+def test_kernel_benchmark_runs_on_cpu(tk, capsys):
+    """benchmarks/kernels.py (the GPU benchmark) on tiny shapes: it checks
+    every kernel against its reference before timing it."""
+    import runpy
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels.py"
+    rows = runpy.run_path(str(path))["main"](["--smoke", "--device", "cpu"])
+    assert len(rows) == 7 and all(r[5] < 1e-4 for r in rows)  # max error per kernel
+    assert "| compaction in place |" in capsys.readouterr().out

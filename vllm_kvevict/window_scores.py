@@ -53,10 +53,16 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Te
 
 def raw_scores(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
-    """(B, H, n) float32 per-token window scores before pooling, tiled over B
-    (the Triton kernel's reference; on CUDA the kernel runs instead)."""
+    """(B, H, n) float32 per-token window scores before pooling: the Triton
+    kernel where `vllm_kvevict.kernels` picks it (CUDA), else `raw_scores_torch`."""
     if use_triton(q):
         return triton_module("window").window_raw_scores(kind, q.to(k.dtype), k, v, scale)
+    return raw_scores_torch(kind, q, k, v, scale)
+
+
+def raw_scores_torch(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """The plain-torch `raw_scores`, tiled over B (the Triton kernel's reference)."""
     b, w, hq, _ = q.shape
     h, n = k.shape[1], k.shape[2]
     out = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
