@@ -1,5 +1,5 @@
 """Every Triton kernel against its plain-torch reference, on CPU under
-TRITON_INTERPRET=1 (fp32): GQA ratios 1/3/7, block sizes 16/32/128, ragged
+TRITON_INTERPRET=1 (fp32, and fp16 for the native-dtype dot path): GQA ratios 1/3/7, block sizes 16/32/128, ragged
 lengths, single-token and empty requests, and the strided NHD cache views the
 CUDA backend hands over (`NHDLayout.split` of vLLM's [NB, H, BS, 2D] cache)."""
 import importlib
@@ -24,24 +24,28 @@ def tk():
                               for n in names})
 
 
-def nhd_cache(num_blocks, bs, h, d=D, seed=0):
+def nhd_cache(num_blocks, bs, h, d=D, seed=0, dtype=torch.float32):
     """vLLM's FlashAttention layer cache and its (key, value) views, each (NB, BS, H, D)."""
     g = torch.Generator().manual_seed(seed)
-    kv = torch.randn(num_blocks, h, bs, 2 * d, generator=g)
+    kv = torch.randn(num_blocks, h, bs, 2 * d, generator=g).to(dtype)
     layout = NHDLayout.for_cache(kv)
     return layout, *layout.split(kv)
 
 
 # ----------------------------------------------------------------- paged attention + scores
 
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}  # fp16: P is rounded before P @ V
+
+
 @pytest.mark.parametrize("gqa,bs", [(1, 16), (3, 32), (7, 128), (3, 16)])
 @pytest.mark.parametrize("write_out", [True, False])
-def test_paged_attention_scores_matches_reference(tk, gqa, bs, write_out):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_paged_attention_scores_matches_reference(tk, gqa, bs, write_out, dtype):
     h = 2
     lengths = [0, 1, bs - 1, bs, 2 * bs + 5, 77]  # empty, single token, ragged
     max_blocks = max(math.ceil(n / bs) for n in lengths) + 1
     num_blocks = len(lengths) * max_blocks + 3
-    layout, kc, vc = nhd_cache(num_blocks, bs, h)
+    layout, kc, vc = nhd_cache(num_blocks, bs, h, dtype=dtype)
     g = torch.Generator().manual_seed(1)
     # Rows own scattered, non-contiguous blocks.
     block_table = torch.randperm(num_blocks, generator=g)[: len(lengths) * max_blocks]
@@ -49,7 +53,7 @@ def test_paged_attention_scores_matches_reference(tk, gqa, bs, write_out):
     # Decode queries of every row, plus a second query on row 4 (two queries, one request).
     rows = torch.tensor([0, 1, 2, 3, 4, 5, 4])
     visible = torch.tensor(lengths + [lengths[4] - 3])
-    query = torch.randn(len(rows), h * gqa, D, generator=g)
+    query = torch.randn(len(rows), h * gqa, D, generator=g).to(dtype)
     weight = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0])  # row 3 unscored
     scores = torch.rand(h, num_blocks * bs, generator=g)
     expected_out, delta = tk.reference.paged_attention_scores_ref(
@@ -58,9 +62,10 @@ def test_paged_attention_scores_matches_reference(tk, gqa, bs, write_out):
     out = tk.paged_attention.paged_attention_scores(
         query, kc, vc, block_table, rows, visible, 0.3, scores=got_scores,
         score_weight=weight, write_out=write_out)
-    torch.testing.assert_close(got_scores, scores + delta, rtol=1e-5, atol=1e-5)
+    tol = TOL[dtype]
+    torch.testing.assert_close(got_scores, scores + delta, rtol=tol, atol=tol)
     if write_out:
-        torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.float(), expected_out, rtol=tol, atol=tol)
     else:
         assert out is None
     # Exactly the slots the queries see changed.
@@ -96,16 +101,20 @@ def test_paged_attention_without_scores_and_bad_input(tk):
 # ----------------------------------------------------------------- window scores
 
 @pytest.mark.parametrize("kind", ["snapkv", "andpro"])
-@pytest.mark.parametrize("gqa,w,n", [(1, 1, 1), (3, 8, 50), (7, 32, 130), (3, 32, 32)])
-def test_window_scores_match_torch_path(tk, kind, gqa, w, n):
+@pytest.mark.parametrize("gqa,w,n,dtype", [(1, 1, 1, torch.float32), (3, 8, 50, torch.float32),
+                                           (7, 32, 130, torch.float32),
+                                           (3, 32, 32, torch.float32), (3, 8, 70, torch.float16)])
+def test_window_scores_match_torch_path(tk, kind, gqa, w, n, dtype):
     g = torch.Generator().manual_seed(2)
     h = 2
-    q = torch.randn(2, w, h * gqa, D, generator=g)
+    q = torch.randn(2, w, h * gqa, D, generator=g).to(dtype)
     # Strided k/v: the first n tokens of a longer gathered buffer, as the worker passes them.
-    k = torch.randn(2, h, n + 7, D, generator=g)[:, :, :n]
-    v = torch.randn(2, h, n + 7, D, generator=g)[:, :, :n]
+    k = torch.randn(2, h, n + 7, D, generator=g).to(dtype)[:, :, :n]
+    v = torch.randn(2, h, n + 7, D, generator=g).to(dtype)[:, :, :n]
     got = tk.window.window_raw_scores(kind, q, k, v, 0.25)
-    torch.testing.assert_close(got, raw_scores_torch(kind, q, k, v, 0.25), rtol=1e-4, atol=1e-5)
+    want = raw_scores_torch(kind, q.float(), k.float(), v.float(), 0.25)
+    tol = 1e-4 if dtype == torch.float32 else 5e-3
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
 def test_window_scores_reject_bad_input(tk):
@@ -128,12 +137,13 @@ def plan_slots(src_blocks, dst_blocks, old_len, bs):
 @pytest.mark.parametrize("bs,old_len,new_len", [(16, 100, 37), (32, 64, 64), (128, 300, 129),
                                                 (16, 1, 1), (16, 40, 0)])
 @pytest.mark.parametrize("copy_on_write", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_compaction_in_place_matches_reference_and_torch_path(tk, bs, old_len, new_len,
-                                                              copy_on_write):
+                                                              copy_on_write, dtype):
     h, rows = 3, 2  # rows: e.g. two layers of one request
     n_src, n_dst = math.ceil(old_len / bs), math.ceil(new_len / bs)
     num_blocks = rows * n_src + rows * n_dst + 2
-    layout, kc, vc = nhd_cache(num_blocks, bs, h, seed=3)
+    layout, kc, vc = nhd_cache(num_blocks, bs, h, seed=3, dtype=dtype)
     g = torch.Generator().manual_seed(4)
     perm = torch.randperm(num_blocks, generator=g)
     src_blocks = perm[: rows * n_src].view(rows, n_src)
@@ -152,7 +162,7 @@ def test_compaction_in_place_matches_reference_and_torch_path(tk, bs, old_len, n
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v) and torch.equal(scores, want_s)
 
     # The torch path (compaction.compact + move_scores) gives the same cache and scores.
-    _, kc2, vc2 = nhd_cache(num_blocks, bs, h, seed=3)
+    _, kc2, vc2 = nhd_cache(num_blocks, bs, h, seed=3, dtype=dtype)
     compact(layout, kc2, vc2, src_blocks, dst_blocks, keep)
     move_scores(scores2, src, dst[:, :new_len], keep)
     assert torch.equal(kc2, want_k) and torch.equal(vc2, want_v)
