@@ -27,6 +27,7 @@ def paged_attention_scores_kernel(
     G_PAD: tl.constexpr, D_PAD: tl.constexpr,
     WRITE_OUT: tl.constexpr, SCORE: tl.constexpr,
 ):
+    tl.static_assert(G_PAD >= 16 and G_PAD >= G and D_PAD >= 16 and D_PAD >= D and BS >= 16)
     t = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(row_ptr + t)

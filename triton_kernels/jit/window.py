@@ -22,6 +22,7 @@ def window_scores_kernel(
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ANDPRO: tl.constexpr,
 ):
+    tl.static_assert(ROWS >= 16 and BLOCK_N >= 16 and D_PAD >= 16 and D_PAD >= D)
     b = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
