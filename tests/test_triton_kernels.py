@@ -93,6 +93,8 @@ def test_paged_attention_without_scores_and_bad_input(tk):
         f(q, *nhd_cache(8, 24, 1)[1:], bt, torch.tensor([0, 1]), torch.tensor([4, 4]), 0.2)
     with pytest.raises(ValueError, match="visible"):
         f(q, kc, vc, bt, torch.tensor([0, 1]), torch.tensor([4]), 0.2)
+    with pytest.raises(ValueError, match="block-table rows hold 64"):
+        f(q, kc, vc, bt, torch.tensor([0, 1]), torch.tensor([4, 65]), 0.2)
     with pytest.raises(ValueError, match="scores"):
         f(q, kc, vc, bt, torch.tensor([0, 1]), torch.tensor([4, 4]), 0.2,
           scores=torch.zeros(1, 8 * 16, dtype=torch.float64))

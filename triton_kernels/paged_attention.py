@@ -78,6 +78,8 @@ def paged_attention_scores(query: torch.Tensor, key_cache: torch.Tensor,
     g = hq // h
     g_pad, d_pad = max(16, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(d))
     n_max = int(visible.max()) if max_visible is None else max_visible
+    expect(n_max <= block_table.shape[1] * bs,
+           f"a query sees {n_max} keys but block-table rows hold {block_table.shape[1] * bs}")
     length = max(bs, triton.cdiv(n_max, bs) * bs)
     tile = max(1, _SCRATCH_ELEMENTS // (h * g * length)) if scores is not None else t
     dummy = torch.empty(1, device=dev, dtype=torch.float32)
