@@ -1,0 +1,116 @@
+"""A real `vllm serve` on loopback, for the tests and scripts that claim a server.
+
+    with Server(model, "--kv-eviction", "h2o", "--kv-budget", "64") as srv:
+        requests.post(srv.url + "/v1/completions", json={...})
+
+The server runs as a child process in its own process group (its engine core
+and any workers are its children), with the small fixed KV pool and eager mode
+the rest of the suite uses. `stock=True` starts it with our plugin not loaded
+at all (VLLM_PLUGINS=""), which is stock vLLM. Leaving the block kills the whole
+group; `log()` returns what the server printed, for assertion messages.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import requests
+
+DEFAULT_ARGS = ("--enforce-eager", "--block-size", "32", "--max-model-len", "2048",
+                "--kv-cache-memory-bytes", str(96 << 20), "--dtype", "bfloat16",
+                "--seed", "0")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: str, *args: str, stock: bool = False, env: dict | None = None,
+                 start_timeout: float = 300.0, defaults: tuple[str, ...] = DEFAULT_ARGS):
+        self.model = model
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
+                     "--host", "127.0.0.1", "--port", str(self.port), *defaults, *args]
+        self.env = dict(os.environ)
+        # The test process runs the engine core in-process; a server must not.
+        self.env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        if stock:
+            self.env["VLLM_PLUGINS"] = ""
+        self.env.update(env or {})
+        self.start_timeout = start_timeout
+        self.proc: subprocess.Popen | None = None
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="vllm-serve-", suffix=".log")
+
+    def __enter__(self) -> "Server":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n"
+                                   f"{self.log()[-4000:]}")
+            if self.healthy():
+                return
+            time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"vllm serve not healthy after {self.start_timeout}s:\n"
+                           f"{self.log()[-4000:]}")
+
+    def healthy(self) -> bool:
+        try:
+            return requests.get(self.url + "/health", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGINT, timeout), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+            except ProcessLookupError:
+                return
+
+    def log(self) -> str:
+        self._log.flush()
+        with open(self._log.name, errors="replace") as f:
+            return f.read()
+
+    def metrics(self) -> dict[str, float]:
+        """`/metrics` as {sample name with labels: value} (Prometheus text format)."""
+        text = requests.get(self.url + "/metrics", timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def metric(self, prefix: str) -> float:
+        """Sum of every sample whose name (labels stripped) equals `prefix`."""
+        return sum(v for k, v in self.metrics().items() if k.split("{")[0] == prefix)
+
+    def complete(self, prompt: str, **body) -> requests.Response:
+        body = {"model": self.model, "prompt": prompt, "temperature": 0, **body}
+        return requests.post(self.url + "/v1/completions", json=body, timeout=300)
