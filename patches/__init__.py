@@ -9,6 +9,7 @@ original, delegates to it, and refuses to patch twice.
 | engine_args            | EngineArgs.add_cli_args / from_cli_args / create_engine_config |
 | scheduler_schedule     | Scheduler.schedule                            |
 | runner_update_states   | GPUModelRunner._update_states                 |
+| request_validation     | InputProcessor._validate_params               |
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import logging
 
 logger = logging.getLogger("vllm_kvevict")
 
-PATCHES = ("engine_args", "scheduler_schedule", "runner_update_states")
+PATCHES = ("engine_args", "scheduler_schedule", "runner_update_states",
+           "request_validation")
 _applied: set[str] = set()
 
 

@@ -8,6 +8,7 @@ HOW: after the stock schedule(), drain the plans of every
      with the output to mp / Ray workers). Plans of requests that were freed
      in the same step (preempted, aborted) were already dropped by the manager.
      New requests that can never exceed the budget are listed as unscored.
+     Also writes the eviction counters for /metrics (integration/metrics.py).
 UPSTREAM: a per-manager "worker metadata" hook on SchedulerOutput, or KV
      managers allowed to emit block moves (like kv_cache_block_copies) with a
      per-head index.
@@ -32,17 +33,19 @@ def apply() -> None:
         if managers:
             step = EvictionStep()
             for m in managers:
+                m.requests = self.requests  # per-request budgets (extra_args)
                 plans, released = m.take_plans()
                 step.plans.extend(plans)
                 step.released.extend(released)
                 step.evicted.update({r: n for r, n in m.evicted.items() if n})
-            cfg = managers[0].cfg
             for new in output.scheduled_new_reqs:
                 req = self.requests.get(new.req_id)
-                if req is not None and never_compacts(cfg, req.num_prompt_tokens,
-                                                      req.max_tokens):
+                if req is not None and never_compacts(managers[0].request_config(new.req_id),
+                                                      req.num_prompt_tokens, req.max_tokens):
                     step.unscored.append(new.req_id)
             setattr(output, STEP_ATTR, step)
+            for m in managers:
+                m.write_metrics()
         return output
 
     mark_patched(Scheduler, "schedule", schedule)

@@ -396,7 +396,7 @@ def compact_once(path, policy, dst_blocks, monkeypatch):
                                    input_batch=SimpleNamespace(req_id_to_index={}))
     assert len(state._stacks()) == 1  # one gather/kernel for both layers
     state._compact(CompactionPlan("a", 0, (3, 7, 1), dst_blocks, old_len=40, new_len=20,
-                                  logical_len=40))
+                                  logical_len=40, recent=10))
     scores = torch.cat([state.layers[f"l{i}"].scores for i in range(2)], dim=1)
     return raw.float(), scores, state.kept["a"].positions
 

@@ -42,4 +42,7 @@ def register() -> None:
 
         register_cuda_backend()
     apply_all()
+    from vllm_kvevict.integration.metrics import register_collector
+
+    register_collector()  # eviction counters on the API server's /metrics
     _registered = True

@@ -9,6 +9,7 @@ Every error names the flag, so a bad value fails at startup, never mid-request.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -23,6 +24,12 @@ FLAGS = {
     "kv_sink": "--kv-sink",
     "kv_window": "--kv-window",
 }
+
+
+# Keys a single request may set (SamplingParams.extra_args; `vllm_xargs` in the
+# OpenAI API). The policy is a server setting: it decides which score buffers
+# every worker keeps.
+REQUEST_KEYS = ("kv_budget", "kv_recent")
 
 
 class EvictionConfigError(ValueError):
@@ -127,6 +134,46 @@ class EvictionConfig:
             raise EvictionConfigError(
                 f"{_flag('kv_budget')} ({self.budget}) is below one KV block "
                 f"({block_size} tokens); raise it or lower --block-size")
+
+    def for_request(self, extra_args: dict[str, Any] | None, block_size: int) -> "EvictionConfig":
+        """This config with a request's own `kv_budget` / `kv_recent` applied.
+
+        A request may ask for less cache than the server's token budget, never
+        more: the pool was sized (`max_memory_usage_bytes`) for the server's
+        budget. Raises EvictionConfigError naming the field; nothing changes.
+        """
+        asked = {k: v for k, v in (extra_args or {}).items() if k.startswith("kv_")}
+        if not asked:
+            return self
+        where = "request field vllm_xargs (SamplingParams.extra_args)"
+        unknown = sorted(set(asked) - set(REQUEST_KEYS))
+        if unknown:
+            raise EvictionConfigError(
+                f"{where}: {', '.join(unknown)} cannot be set per request; "
+                f"allowed: {', '.join(REQUEST_KEYS)} (the policy is a server setting)")
+        if not self.enabled:
+            raise EvictionConfigError(
+                f"{where}: {', '.join(sorted(asked))} given, but KV eviction is off on "
+                f"this server (start it with --kv-eviction)")
+        merged = self.to_dict()
+        merged.update(asked)
+        if "kv_budget" in asked and "kv_recent" not in asked:
+            merged["kv_recent"] = None  # the server's window was sized for its own budget
+        try:
+            cfg = EvictionConfig.from_dict(merged)
+        except EvictionConfigError as e:
+            # Name the request's field, not the server flag the parser names.
+            msg = re.sub(r"--kv-[a-z]+ \(additional_config\['(kv_\w+)'\]\)", r"\1", str(e))
+            raise EvictionConfigError(f"{where}: {msg}") from None
+        if isinstance(cfg.budget, int) and cfg.budget < block_size:
+            raise EvictionConfigError(
+                f"{where}: kv_budget ({cfg.budget}) is below one KV block ({block_size} tokens)")
+        if isinstance(self.budget, int) and not (
+                isinstance(cfg.budget, int) and cfg.budget <= self.budget):
+            raise EvictionConfigError(
+                f"{where}: kv_budget must be a token count between {block_size} and the "
+                f"server's --kv-budget ({self.budget}), got {asked.get('kv_budget')!r}")
+        return cfg
 
     # --- per-request arithmetic (tokens), used by scheduler and worker alike ---
 

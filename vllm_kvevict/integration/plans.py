@@ -22,6 +22,8 @@ class CompactionPlan:
     cached: the scheduler then gave the request a private block (copy-on-write,
     done by the gather/scatter itself). After the plan the request's block row is
     exactly `dst_block_ids`, followed by whatever this step allocates.
+    `new_len` and `recent` come from the request's own budget (per-request
+    `kv_budget` / `kv_recent`, else the server's).
     """
 
     req_id: str
@@ -31,6 +33,7 @@ class CompactionPlan:
     old_len: int
     new_len: int
     logical_len: int
+    recent: int  # the newest tokens always kept (the request's own settings)
 
 
 @dataclass

@@ -25,6 +25,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from vllm_kvevict.config import EvictionConfig
+from vllm_kvevict.integration.metrics import Snapshot
 from vllm_kvevict.integration.plans import CompactionPlan
 from vllm_kvevict.planner import compaction_target
 from vllm_kvevict.policies import make_policy
@@ -70,6 +71,23 @@ class EvictableAttentionManager(FullAttentionManager):
         self.private_prompts = policy.needs_scores or policy.window > 0
         self.num_compactions = 0
         self.num_tokens_evicted = 0
+        self.num_blocks_freed = 0  # returned to the BlockPool's free queue
+        # The scheduler's live requests (set by patches/scheduler_schedule.py):
+        # their SamplingParams.extra_args may carry a per-request budget.
+        self.requests: dict[str, Any] = {}
+        self._request_cfg: dict[str, EvictionConfig] = {}
+        self._snapshot: Snapshot | None = None
+
+    def request_config(self, request_id: str) -> EvictionConfig:
+        """The server's settings with this request's kv_budget / kv_recent
+        applied (validated at admission by patches/request_validation.py)."""
+        cfg = self._request_cfg.get(request_id)
+        if cfg is None:
+            req = self.requests.get(request_id)
+            extra = getattr(getattr(req, "sampling_params", None), "extra_args", None)
+            cfg = self.cfg.for_request(extra, self.block_size) if extra else self.cfg
+            self._request_cfg[request_id] = cfg
+        return cfg
 
     # --- physical lengths ---------------------------------------------------
 
@@ -104,9 +122,12 @@ class EvictableAttentionManager(FullAttentionManager):
 
     def pop_blocks_for_free(self, request_id: str):
         self.evicted.pop(request_id, None)
+        self._request_cfg.pop(request_id, None)
         self.pending = [p for p in self.pending if p.req_id != request_id]
         self.released.append(request_id)
-        return super().pop_blocks_for_free(request_id)
+        blocks = super().pop_blocks_for_free(request_id)
+        self.write_metrics()
+        return blocks
 
     # --- eviction -------------------------------------------------------------
 
@@ -119,7 +140,8 @@ class EvictableAttentionManager(FullAttentionManager):
         ev = self.evicted.get(request_id, 0)
         physical = logical - ev
         in_prefill = num_prompt_tokens is not None and logical < num_prompt_tokens
-        target = compaction_target(self.cfg, physical, logical, in_prefill, self.block_size)
+        cfg = self.request_config(request_id)
+        target = compaction_target(cfg, physical, logical, in_prefill, self.block_size)
         if target is None or any(p.req_id == request_id for p in self.pending):
             return
         old_blocks = cdiv(physical, self.block_size)
@@ -149,11 +171,33 @@ class EvictableAttentionManager(FullAttentionManager):
         self.evicted[request_id] = ev + physical - target
         self.num_compactions += 1
         self.num_tokens_evicted += physical - target
+        self.num_blocks_freed += freeable
         self.pending.append(CompactionPlan(
             req_id=request_id, group_id=self.kv_cache_group_id,
             src_block_ids=tuple(b.block_id for b in src),
             dst_block_ids=tuple(b.block_id for b in blocks[:keep_blocks]),
-            old_len=physical, new_len=target, logical_len=logical))
+            old_len=physical, new_len=target, logical_len=logical,
+            recent=cfg.recent_tokens(target, logical)))
+
+    def write_metrics(self) -> None:
+        """Cumulative counters and resident tokens for /metrics (integration/metrics.py).
+        Called after every schedule() and whenever a request's blocks are freed,
+        so an idle engine shows what it holds now."""
+        if self._snapshot is None:
+            self._snapshot = Snapshot(f"scheduler-g{self.kv_cache_group_id}")
+        logical = physical = 0
+        for rid in self.req_to_blocks:
+            req = self.requests.get(rid)
+            if req is not None:
+                logical += req.num_computed_tokens
+                physical += req.num_computed_tokens - self.evicted.get(rid, 0)
+        config = {"policy" if k == "kv_eviction" else k.removeprefix("kv_"): v
+                  for k, v in self.cfg.to_dict().items()}
+        self._snapshot.write({
+            "role": "scheduler", "group": self.kv_cache_group_id, "config": config,
+            "tokens_evicted": self.num_tokens_evicted, "compactions": self.num_compactions,
+            "blocks_freed": self.num_blocks_freed,
+            "logical_tokens": logical, "physical_tokens": physical})
 
     def take_plans(self) -> tuple[list[CompactionPlan], list[str]]:
         """This step's compaction plans and the requests released since the last."""

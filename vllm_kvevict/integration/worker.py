@@ -15,6 +15,7 @@ token is written there (a reused block never inherits stale importance).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ import torch
 from vllm_kvevict.compaction import compact, move_scores
 from vllm_kvevict.config import EvictionConfig
 from vllm_kvevict.integration.decode_log import DecodeQueryLog, StepPlacement
+from vllm_kvevict.integration.metrics import Snapshot
 from vllm_kvevict.integration.plans import STEP_ATTR, CompactionPlan, EvictionStep
 from vllm_kvevict.integration.query_window import QueryWindow
 from vllm_kvevict.kernels import triton_module, use_triton
@@ -102,6 +104,8 @@ class WorkerEviction:
         self._stack_cache: list[LayerStack] | None = None
         self.unscored: set[str] = set()  # requests that never compact: no scoring
         self._step_open = False  # a begin_step not yet matched by place_queries
+        self.compaction_seconds = 0.0
+        self._snapshot: Snapshot | None = None
 
     # --- registration ---------------------------------------------------------
 
@@ -140,11 +144,21 @@ class WorkerEviction:
         self.unscored.difference_update(scheduler_output.finished_req_ids)
         self.unscored.update(step.unscored)
         self.decode_log.flush([p.req_id for p in step.plans], self.layers, self._block_ids)
-        for plan in step.plans:
-            self._compact(plan)
+        if step.plans:
+            start = time.perf_counter()  # CPU: the work; CUDA: its launch (async)
+            for plan in step.plans:
+                self._compact(plan)
+            self.compaction_seconds += time.perf_counter() - start
+            self._write_metrics()
         self.evicted = step.evicted
         for req_id in scheduler_output.finished_req_ids:
             self.kept.pop(req_id, None)
+
+    def _write_metrics(self) -> None:
+        if self._snapshot is None:
+            self._snapshot = Snapshot("worker")
+        self._snapshot.write({"role": "worker", "rank": _tp_rank(),
+                              "compaction_seconds": self.compaction_seconds})
 
     def _block_ids(self, req_id: str) -> list[int] | None:
         req_state = self.runner.requests.get(req_id) if self.runner else None
@@ -213,7 +227,7 @@ class WorkerEviction:
         dst_blocks = torch.tensor(plan.dst_block_ids, dtype=torch.int64)
         src = token_slots(src_blocks, plan.old_len, bs)  # (old_len,) slots of the old tokens
         dst = token_slots(dst_blocks, plan.new_len, bs)
-        keep_recent = self.cfg.recent_tokens(plan.new_len, plan.logical_len)
+        keep_recent = plan.recent
         logical = self._logical_positions(self.kept.get(plan.req_id), plan)
         kept_positions = []
         first = 0
@@ -286,6 +300,15 @@ class WorkerEviction:
         fresh = fresh.expand(*prev.positions.shape[:2], -1)
         full = torch.cat([prev.positions, fresh], dim=2)
         return full[:, :, : plan.old_len]
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except Exception:  # no parallel groups (unit tests): one rank
+        return 0
 
 
 _STATE: WorkerEviction | None = None

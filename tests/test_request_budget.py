@@ -1,0 +1,84 @@
+"""Per-request budgets (SamplingParams.extra_args / OpenAI `vllm_xargs`), offline.
+
+A request may ask for less resident KV than the server's --kv-budget. Checked
+through vLLM's own accounting: the most blocks one request holds, read from the
+scheduler's KV manager (`BlockProbe`); and the metrics snapshot the scheduler
+writes for /metrics agrees with the manager's counters.
+"""
+
+import pytest
+from conftest import PROMPTS, close, make_llm
+
+from vllm_kvevict.integration.metrics import EvictionCollector
+from vllm_kvevict.integration.probe import attach
+from vllm_kvevict.planner import max_blocks_per_request
+
+SERVER_BUDGET = 256
+MAX_TOKENS = 200  # prompts are 9-28 tokens: 209-228 per request, under 256
+
+
+@pytest.fixture(scope="module")
+def llm(model_path):
+    llm = make_llm(model_path, additional_config={"kv_eviction": "h2o",
+                                                  "kv_budget": SERVER_BUDGET})
+    yield llm
+    close(llm)
+
+
+def _run(llm, extra_args=None):
+    from vllm import SamplingParams
+
+    probe = attach(llm)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            extra_args=extra_args)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return probe, [o.outputs[0].token_ids for o in outs]
+
+
+def _samples():
+    return {(s.name, tuple(s.labels.items())): s.value
+            for m in EvictionCollector().collect() for s in m.samples}
+
+
+def test_request_budget_bounds_its_blocks_and_shows_in_metrics(llm):
+    probe, _ = _run(llm)  # fits the server budget: never compacts
+    assert probe.max_blocks_per_request > max_blocks_per_request(64, 32)
+    (manager,) = probe.managers()
+    assert manager.num_compactions == 0
+
+    probe, ids = _run(llm, {"kv_budget": 64, "kv_recent": 16})
+    assert probe.max_blocks_per_request <= max_blocks_per_request(64, 32)
+    assert manager.num_compactions > 0 and manager.num_blocks_freed > 0
+    assert all(len(t) == MAX_TOKENS for t in ids)
+
+    m = _samples()
+    (info,) = [dict(labels) for name, labels in m if name == "vllm_kvevict_info"]
+    assert info["policy"] == "h2o" and info["budget"] == str(SERVER_BUDGET)
+    assert m[("vllm_kvevict_tokens_evicted_total", ())] == manager.num_tokens_evicted > 0
+    assert m[("vllm_kvevict_blocks_freed_total", ())] == manager.num_blocks_freed
+    assert m[("vllm_kvevict_compactions_total", ())] == manager.num_compactions
+    assert m[("vllm_kvevict_compaction_seconds_total", (("rank", "0"),))] > 0
+    # Idle engine: nothing resident, logically or physically.
+    assert m[("vllm_kvevict_resident_tokens", (("kind", "logical"),))] == 0
+    assert m[("vllm_kvevict_resident_tokens", (("kind", "physical"),))] == 0
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"kv_budget": 8}, "below one KV block"),
+    ({"kv_budget": 4096}, "server's --kv-budget"),
+    ({"kv_budget": "lots"}, "token count"),
+    ({"kv_budget": 64, "kv_recent": 128}, "must not exceed"),
+    ({"kv_eviction": "streaming"}, "policy is a server setting"),
+])
+def test_bad_request_budget_is_refused_and_changes_nothing(llm, extra, match):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError  # what vLLM's own checks raise
+
+    _, before = _run(llm, {"kv_budget": 64})
+    with pytest.raises(VLLMValidationError, match=match):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, extra_args=extra),
+                     use_tqdm=False)
+    probe, after = _run(llm, {"kv_budget": 64})
+    assert after == before  # the engine serves on, same tokens
+    assert probe.used_blocks() == 0  # nothing left behind in vLLM's pool
+

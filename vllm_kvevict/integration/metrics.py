@@ -1,0 +1,132 @@
+"""Eviction metrics on vLLM's `/metrics` (Prometheus).
+
+The numbers live in other processes than the one serving `/metrics`: blocks
+and tokens in the engine core's KV managers, compaction time in each worker.
+vLLM's own per-step stats (`SchedulerStats`) cross to the API server as a
+fixed msgspec schema with no room for a plugin's fields, so each process
+writes a small JSON snapshot of its cumulative counters into one directory
+(`KVEVICT_METRICS_DIR`, made by the first process that loads the plugin,
+which is the API server, and inherited by the processes it starts), and a
+Prometheus collector in the API server sums them at scrape time. A snapshot is
+rewritten only when a value changed, at most once per engine step.
+
+    vllm_kvevict_info{policy,budget,recent,sink,window}   1
+    vllm_kvevict_tokens_evicted_total       tokens dropped by compactions
+    vllm_kvevict_blocks_freed_total         KV blocks returned to vLLM's BlockPool
+    vllm_kvevict_compactions_total          request compactions
+    vllm_kvevict_resident_tokens{kind}      running requests' KV tokens:
+                                            kind="logical" (seen), "physical" (held)
+    vllm_kvevict_compaction_seconds_total{rank}  worker time spent compacting
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import tempfile
+
+ENV = "KVEVICT_METRICS_DIR"  # not VLLM_*: vLLM warns about VLLM_ names it does not know
+
+
+def ensure_metrics_dir() -> str:
+    """The snapshot directory; the first process to ask creates it (and
+    removes it at exit) and exports it to the processes it will start."""
+    path = os.environ.get(ENV)
+    if not path:
+        path = tempfile.mkdtemp(prefix="vllm_kvevict-metrics-")
+        os.environ[ENV] = path
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+class Snapshot:
+    """One process's cumulative values, written atomically when they change."""
+
+    def __init__(self, role: str) -> None:
+        self.path = os.path.join(ensure_metrics_dir(), f"{role}-{os.getpid()}.json")
+        self._last: dict | None = None
+
+    def write(self, values: dict) -> None:
+        if values == self._last:
+            return
+        tmp = self.path + ".tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(values, f)
+            os.replace(tmp, self.path)
+        except OSError:
+            return  # metrics never break serving (e.g. the directory was removed)
+        self._last = dict(values)
+
+
+def read_snapshots(path: str | None = None) -> list[dict]:
+    path = path or os.environ.get(ENV)
+    out = []
+    for name in sorted(os.listdir(path)) if path and os.path.isdir(path) else ():
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(path, name)) as f:
+                    out.append(json.load(f))
+            except (OSError, ValueError):
+                continue  # replaced or removed under us: next scrape reads it
+    return out
+
+
+class EvictionCollector:
+    """prometheus_client custom collector over the snapshots (scrape time)."""
+
+    def collect(self):
+        from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                            InfoMetricFamily)
+
+        snaps = read_snapshots()
+        # One file per KV group of each engine core; token counts are the same
+        # in every group of one engine, blocks are per group.
+        scheduler = [s for s in snaps if s.get("role") == "scheduler" and s["group"] == 0]
+        workers = [s for s in snaps if s.get("role") == "worker"]
+        if not scheduler and not workers:
+            return  # eviction off, or nothing ran yet
+        if scheduler:
+            info = InfoMetricFamily("vllm_kvevict", "KV eviction settings of this server")
+            info.add_metric([], {k: str(v) for k, v in scheduler[0]["config"].items()})
+            yield info
+            for key, doc in (
+                    ("tokens_evicted", "KV tokens dropped by compactions"),
+                    ("compactions", "Request compactions")):
+                yield CounterMetricFamily(f"vllm_kvevict_{key}", doc,
+                                          value=sum(s[key] for s in scheduler))
+            yield CounterMetricFamily(
+                "vllm_kvevict_blocks_freed", "KV blocks returned to vLLM's block pool by compactions",
+                value=sum(s["blocks_freed"] for s in snaps if s.get("role") == "scheduler"))
+            resident = GaugeMetricFamily(
+                "vllm_kvevict_resident_tokens",
+                "KV tokens of running requests: logical (seen) vs physical (held)",
+                labels=["kind"])
+            for kind in ("logical", "physical"):
+                resident.add_metric([kind], sum(s[f"{kind}_tokens"] for s in scheduler))
+            yield resident
+        if workers:
+            seconds = CounterMetricFamily(
+                "vllm_kvevict_compaction_seconds", "Worker time spent compacting KV",
+                labels=["rank"])
+            for s in workers:
+                seconds.add_metric([str(s["rank"])], s["compaction_seconds"])
+            yield seconds
+
+
+_collector: EvictionCollector | None = None
+
+
+def register_collector() -> None:
+    """Add the collector to prometheus_client's default registry (the one
+    vLLM's single API server exposes), once per process."""
+    global _collector
+    if _collector is not None:
+        return
+    from prometheus_client import REGISTRY
+
+    ensure_metrics_dir()
+    _collector = EvictionCollector()
+    REGISTRY.register(_collector)
