@@ -107,9 +107,13 @@ class Server:
                 out[name] = float(value)
         return out
 
-    def metric(self, prefix: str) -> float:
-        """Sum of every sample whose name (labels stripped) equals `prefix`."""
-        return sum(v for k, v in self.metrics().items() if k.split("{")[0] == prefix)
+    def metric(self, name: str) -> float:
+        """Sum of the samples called `name`: over all labels for a bare name
+        (`vllm:num_requests_running`), or the one sample for a name with labels
+        (`vllm_kvevict_resident_tokens{kind="logical"}`)."""
+        if "{" in name:
+            return self.metrics().get(name, 0.0)
+        return sum(v for k, v in self.metrics().items() if k.split("{")[0] == name)
 
     def complete(self, prompt: str, **body) -> requests.Response:
         body = {"model": self.model, "prompt": prompt, "temperature": 0, **body}

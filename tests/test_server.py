@@ -1,0 +1,139 @@
+"""A real `vllm serve` with the plugin: bad input gets a 4xx and changes nothing,
+bad settings stop startup with the flag's name, and the eviction counters show
+on /metrics next to vLLM's own.
+
+One server for the module (engine start is ~25 s here). "Changes nothing" is
+checked three ways after every refused request: the server is healthy, a
+reference request returns the same text as before, and vLLM's own
+`vllm:kv_cache_usage_perc` is back to 0 (no block leaked).
+"""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+from server import Server
+
+BUDGET = 64
+REFERENCE = "The history of the lighthouse began"
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    with Server(model_path, "--kv-eviction", "h2o", "--kv-budget", str(BUDGET)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def reference_text(server):
+    r = server.complete(REFERENCE, max_tokens=120, ignore_eos=True)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def wait_idle(server, timeout=20.0) -> dict:
+    """/metrics once no request runs and vLLM's pool usage is back to 0."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        idle = (m.get("vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"%s\"}" % server.model)
+                == 0.0 and server.metric("vllm:num_requests_running") == 0)
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.5)
+
+
+def assert_unchanged(server, reference_text):
+    assert server.healthy()
+    r = server.complete(REFERENCE, max_tokens=120, ignore_eos=True)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference_text
+    wait_idle(server)
+    assert server.metric("vllm:kv_cache_usage_perc") == 0.0, "a block leaked"
+
+
+def test_eviction_metrics_on_slash_metrics(server, reference_text):
+    before = server.metric("vllm_kvevict_tokens_evicted_total")
+    body = {"model": server.model, "prompt": REFERENCE, "max_tokens": 400,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    seen_mid_stream = None
+    with requests.post(server.url + "/v1/completions", json=body, stream=True,
+                       timeout=300) as r:
+        events = (line for line in r.iter_lines() if line.startswith(b"data:"))
+        for i, _ in enumerate(events):
+            if i == 300:  # well past the budget: compacted several times by now
+                seen_mid_stream = (server.metric("vllm_kvevict_resident_tokens{kind=\"logical\"}"),
+                                   server.metric("vllm_kvevict_resident_tokens{kind=\"physical\"}"))
+    logical, physical = seen_mid_stream
+    assert logical > 250 and BUDGET <= physical <= BUDGET + 32 < logical
+
+    m = wait_idle(server)
+    info = [k for k in m if k.startswith("vllm_kvevict_info{")]
+    assert len(info) == 1 and 'policy="h2o"' in info[0] and f'budget="{BUDGET}"' in info[0]
+    # ~408 tokens seen, at most budget + block - 1 = 95 left at the end
+    assert server.metric("vllm_kvevict_tokens_evicted_total") - before >= 408 - 95
+    assert server.metric("vllm_kvevict_blocks_freed_total") > 0
+    assert server.metric("vllm_kvevict_compactions_total") > 0
+    assert server.metric("vllm_kvevict_compaction_seconds_total") > 0
+    assert server.metric("vllm_kvevict_resident_tokens") == 0  # idle: nothing held
+
+
+def test_per_request_budget_is_used(server):
+    """A request's own kv_budget (vllm_xargs) evicts where the server's would not."""
+    # ~77 tokens: the server (64) compacts at 96 resident, never here; 32 compacts at 64
+    prompt, n = "Count from one to fifty:", 70
+    before = server.metric("vllm_kvevict_tokens_evicted_total")
+    r = server.complete(prompt, max_tokens=n, ignore_eos=True)
+    assert r.status_code == 200
+    wait_idle(server)
+    assert server.metric("vllm_kvevict_tokens_evicted_total") == before
+    r = server.complete(prompt, max_tokens=n, ignore_eos=True, vllm_xargs={"kv_budget": 32})
+    assert r.status_code == 200, r.text
+    wait_idle(server)
+    assert server.metric("vllm_kvevict_tokens_evicted_total") > before
+
+
+BAD_REQUESTS = {
+    "prompt over max_model_len": ("completions", {"prompt": "hello " * 2100}, "maximum context length"),
+    "budget below one block": ("completions", {"vllm_xargs": {"kv_budget": 8}}, "below one KV block"),
+    "budget above the server's": ("completions", {"vllm_xargs": {"kv_budget": 100000}},
+                                  "server's --kv-budget"),
+    "budget not a number": ("completions", {"vllm_xargs": {"kv_budget": "lots"}}, "token count"),
+    "recent over budget": ("completions", {"vllm_xargs": {"kv_budget": 32, "kv_recent": 48}},
+                           "must not exceed"),
+    "policy per request": ("chat", {"vllm_xargs": {"kv_eviction": "lru"}},
+                           "policy is a server setting"),
+    "malformed vllm_xargs": ("completions", {"vllm_xargs": "kv_budget=8"}, "vllm_xargs"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_input_gets_4xx_and_changes_nothing(server, reference_text, case):
+    route, extra, message = BAD_REQUESTS[case]
+    body = {"model": server.model, "max_tokens": 16, **extra}
+    if route == "chat":
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body.setdefault("prompt", "hi")
+    r = requests.post(f"{server.url}/v1/{'chat/completions' if route == 'chat' else route}",
+                      json=body, timeout=60)
+    assert r.status_code == 400, (r.status_code, r.text)
+    assert message in r.json()["error"]["message"], r.text
+    assert_unchanged(server, reference_text)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kv-eviction", "lru"], "invalid choice: 'lru'"),
+    (["--additional-config", json.dumps({"kv_eviction": "lru"})], "unknown policy 'lru'"),
+    (["--kv-eviction", "h2o", "--kv-budget", "0.0"], "--kv-budget"),
+    (["--kv-eviction", "h2o", "--kv-budget", "8"], "below one KV block"),
+])
+def test_bad_settings_stop_startup_naming_the_flag(model_path, argv, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_path,
+         "--port", "1", "--block-size", "32", "--enforce-eager", *argv],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert message in proc.stderr + proc.stdout, (proc.stderr + proc.stdout)[-3000:]
