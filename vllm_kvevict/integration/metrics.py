@@ -6,7 +6,8 @@ vLLM's own per-step stats (`SchedulerStats`) cross to the API server as a
 fixed msgspec schema with no room for a plugin's fields, so each process
 writes a small JSON snapshot of its cumulative counters into one directory
 (`KVEVICT_METRICS_DIR`, made by the first process that loads the plugin,
-which is the API server, and inherited by the processes it starts), and a
+which is the API server, and inherited by the processes it starts, Ray
+workers included), and a
 Prometheus collector in the API server sums them at scrape time. A snapshot is
 rewritten only when a value changed, at most once per engine step.
 
@@ -38,6 +39,11 @@ def ensure_metrics_dir() -> str:
         path = tempfile.mkdtemp(prefix="vllm_kvevict-metrics-")
         os.environ[ENV] = path
         atexit.register(shutil.rmtree, path, ignore_errors=True)
+        # mp workers inherit the environment; Ray workers get the variables
+        # vLLM's Ray executor copies, which this list extends.
+        extra = os.environ.get("VLLM_RAY_EXTRA_ENV_VARS_TO_COPY", "")
+        if ENV not in extra.split(","):
+            os.environ["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"] = ",".join(filter(None, [extra, ENV]))
     return path
 
 
