@@ -127,6 +127,7 @@ def test_bad_input_gets_4xx_and_changes_nothing(server, reference_text, case):
 @pytest.mark.parametrize("argv, message", [
     (["--kv-eviction", "lru"], "invalid choice: 'lru'"),
     (["--additional-config", json.dumps({"kv_eviction": "lru"})], "unknown policy 'lru'"),
+    (["--additional-config", "{kv_eviction: h2o"], "--additional-config must be a JSON object"),
     (["--kv-eviction", "h2o", "--kv-budget", "0.0"], "--kv-budget"),
     (["--kv-eviction", "h2o", "--kv-budget", "8"], "below one KV block"),
 ])

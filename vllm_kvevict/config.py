@@ -95,6 +95,10 @@ class EvictionConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> "EvictionConfig":
         """Parse the `kv_*` keys of `additional_config`; other keys are ignored."""
+        if raw is not None and not isinstance(raw, dict):
+            raise EvictionConfigError(
+                f"--additional-config must be a JSON object such as "
+                f"'{{\"kv_eviction\": \"h2o\"}}', got {raw!r}")
         raw = dict(raw or {})
         policy = str(raw.get("kv_eviction") or "none").strip().lower()
         if policy not in POLICIES:
