@@ -10,6 +10,7 @@ original, delegates to it, and refuses to patch twice.
 | scheduler_schedule     | Scheduler.schedule                            |
 | runner_update_states   | GPUModelRunner._update_states                 |
 | request_validation     | InputProcessor._validate_params               |
+| ray_on_cpu             | CpuPlatform.ray_device_key, RayExecutorV2._get_actor_resource_kwargs, RayWorkerProc.get_node_and_physical_gpu_ids |
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import logging
 logger = logging.getLogger("vllm_kvevict")
 
 PATCHES = ("engine_args", "scheduler_schedule", "runner_update_states",
-           "request_validation")
+           "request_validation", "ray_on_cpu")
 _applied: set[str] = set()
 
 

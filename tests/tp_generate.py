@@ -4,7 +4,9 @@ scheduler-side KV managers counted (compactions, evicted tokens, blocks).
     python tests/tp_generate.py MODEL RUNS [--dtype float32] [--max-tokens 100] < prompts.json
 
 RUNS is a JSON list of engines to run one after the other in this process, e.g.
-`[{"tp": 1, "policy": "h2o", "budget": 32}, {"tp": 2, "policy": "h2o", "budget": 32}]`.
+`[{"tp": 1, "policy": "h2o", "budget": 32}, {"tp": 2, "policy": "h2o", "budget": 32}]`;
+`"backend": "ray"` runs a tp > 1 engine on vLLM's Ray executor (default `mp`)
+over a local Ray instance this process starts and stops.
 Policy `stock` runs vLLM with our plugin disabled (VLLM_PLUGINS=""); since
 plugins load once per process, either every run is `stock` or none is.
 
@@ -28,6 +30,51 @@ import json
 import os
 import sys
 import time
+
+def record_compactions(worker) -> dict:
+    """In a worker: who am I, is the plugin live here, and from now on keep
+    every compaction's kept logical positions (per layer and local KV head)."""
+    import os
+
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    from vllm_kvevict.integration.worker import worker_state
+
+    state = worker_state()
+    info = {"pid": os.getpid(), "rank": get_tensor_model_parallel_rank(),
+            "plugin": state is not None, "ray_actor": None}
+    try:
+        import ray
+
+        if ray.is_initialized():
+            info["ray_actor"] = ray.get_runtime_context().get_actor_id()
+    except ImportError:
+        pass
+    if state is None:
+        return info
+    state.record_kept, state.history, order = True, [], {}
+    compact = state._compact
+
+    def recording(plan):
+        compact(plan)
+        rec = state.kept.get(plan.req_id)
+        if rec is not None:
+            req = order.setdefault(plan.req_id, len(order))
+            state.history.append([req, plan.logical_len, rec.positions.tolist()])
+
+    state._compact = recording
+    return info
+
+
+def compaction_history(worker) -> dict:
+    """The KV heads this rank scores, and its compactions: [request (first-seen
+    order), logical length, kept positions (L, H_local, n)]."""
+    from vllm_kvevict.integration.worker import worker_state
+
+    state = worker_state()
+    return {"kv_heads": sorted({lc.scores.shape[0] for lc in state.layers.values()}),
+            "history": sorted(state.history, key=lambda h: (h[0], h[1]))}
+
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
@@ -58,16 +105,29 @@ if __name__ == "__main__":
         kw = {"tensor_parallel_size": run["tp"], "dtype": args.dtype,
               "block_size": args.block_size, "enable_prefix_caching": False}
         if run["tp"] > 1:
-            kw["distributed_executor_backend"] = "mp"
+            kw["distributed_executor_backend"] = run.get("backend", "mp")
         if not stock:
             kw["additional_config"] = {"kv_eviction": run["policy"], "kv_budget": run["budget"]}
+        if run.get("backend") == "ray":
+            import ray
+
+            # A local Ray instance on this machine, one CPU per rank; vLLM
+            # finds it initialised and only adds its placement group.
+            ray.init(num_cpus=run["tp"], include_dashboard=False,
+                     object_store_memory=200 << 20, _node_ip_address="127.0.0.1")
         llm = make_llm(args.model, **kw)
         if not stock:
             from vllm_kvevict.integration.probe import attach
 
             probe = attach(llm)
+            # Runs in every worker (pickled by value from __main__, so Ray
+            # workers need no access to this file).
+            workers = llm.collective_rpc(record_compactions)
         outs = llm.generate(prompts, params)
         result = {"ids": [list(o.outputs[0].token_ids) for o in outs]}
+        if not stock:
+            result["workers"] = workers
+            result["kept"] = llm.collective_rpc(compaction_history)
         if not stock:
             managers = probe.managers()
             result["compactions"] = sum(getattr(m, "num_compactions", 0) for m in managers)
@@ -75,6 +135,8 @@ if __name__ == "__main__":
             result["max_blocks"] = probe.max_blocks_per_request
             result["pool_whole"] = probe.used_blocks() == 0
         close(llm)
+        if run.get("backend") == "ray":
+            ray.shutdown()
         result["seconds"] = round(time.perf_counter() - t0, 1)
         results.append(result)
     if stock:
