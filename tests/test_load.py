@@ -1,0 +1,27 @@
+"""A small run of benchmarks/load.py against a real plugin server: 40 streaming
+requests at once (completions and chat, some cancelled mid-stream) under H2O at
+a budget that evicts. Afterwards vLLM's own accounting must show the pool whole
+(`vllm:kv_cache_usage_perc` and running requests back to 0), no response may
+carry another request's code word, and nothing may fail. Timings are not
+asserted (they live in the benchmark's table)."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import load  # noqa: E402
+
+
+def test_load_leaves_pool_whole_and_requests_apart(model_path):
+    reqs = load.make_requests(40, cancel_frac=0.2, seed=1)
+    assert any(r["cancel_after"] for r in reqs)
+    row = load.run_server("h2o@64", ["--kv-eviction", "h2o", "--kv-budget", "64",
+                                     "--max-num-seqs", "64"],
+                          False, model_path, reqs, solo=2, server_env={})
+    assert row["failed"] == 0, row["errors"]
+    assert row["completed"] + row["cancelled"] == len(reqs)
+    assert row["cancelled"] == sum(bool(r["cancel_after"]) for r in reqs)
+    assert row["tokens_evicted"] > 0  # eviction really ran under load
+    assert (row["kv_usage_idle"], row["running_idle"]) == (0, 0)
+    assert row["mixed"] == []
+    assert load.checks([row]) == []
