@@ -44,6 +44,8 @@ class Server:
         self.env = dict(os.environ)
         # The test process runs the engine core in-process; a server must not.
         self.env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        # Its own eviction-metrics directory, not this process's.
+        self.env.pop("KVEVICT_METRICS_DIR", None)
         if stock:
             self.env["VLLM_PLUGINS"] = ""
         self.env.update(env or {})

@@ -67,11 +67,23 @@ class Snapshot:
         self._last = dict(values)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def read_snapshots(path: str | None = None) -> list[dict]:
     path = path or os.environ.get(ENV)
     out = []
     for name in sorted(os.listdir(path)) if path and os.path.isdir(path) else ():
         if name.endswith(".json"):
+            if not _alive(int(name[:-5].rsplit("-", 1)[1])):
+                continue  # a finished process's engine is not this server's
             try:
                 with open(os.path.join(path, name)) as f:
                     out.append(json.load(f))
