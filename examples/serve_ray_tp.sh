@@ -1,29 +1,72 @@
 #!/usr/bin/env bash
 # Tensor-parallel serving over Ray with H2O eviction.
 #
-# Multi-node GPU cluster (NOT run here: this project's machines have no GPU):
+# Multi-node GPU cluster (NOT run here: this project's machines have one node
+# and no GPU). Install the same vLLM (0.32) and this plugin on every node; vLLM
+# loads the plugin in every Ray worker (a `vllm.general_plugins` entry point).
 #   head node:    ray start --head --port 6379
 #   other nodes:  ray start --address HEAD_IP:6379
 #   head node:    vllm serve MODEL --tensor-parallel-size 8 \
-#                     --distributed-executor-backend ray --kv-eviction h2o --kv-budget 1024
-# vLLM loads this plugin in every Ray worker (general plugins); the package must
-# be installed on every node.
+#                     --distributed-executor-backend ray \
+#                     --kv-eviction h2o --kv-budget 1024
+#   when done:    ray stop   (on every node)
+# (Two nodes of 8 GPUs: --tensor-parallel-size 8 --pipeline-parallel-size 2.)
 #
-# This machine (CPU, run and tested here): two ranks on cores 0 and 1 of a local
-# Ray instance that vLLM starts itself (patches/ray_on_cpu.py lets the CPU
-# platform use the Ray executor). Qwen2.5-Coder-0.5B has 2 KV heads, one per rank.
+# This machine (CPU, one node, loopback; this is what was run here):
 #   bash examples/serve_ray_tp.sh [MODEL]
+# A Ray head on 127.0.0.1 with one CPU per rank, then `vllm serve` at TP 2 over
+# it (patches/ray_on_cpu.py lets the CPU platform use vLLM's Ray executor);
+# VLLM_CPU_OMP_THREADS_BIND="0|1" puts rank 0 on core 0 and rank 1 on core 1.
+# Qwen2.5-Coder-0.5B has 2 KV heads: one per rank. One completion, the
+# plugin's metrics, then the server and this Ray instance are stopped.
 set -euo pipefail
 MODEL=${1:-$(python -m vllm_kvevict.models qwen25-coder | tail -1)}
-VLLM_CPU_OMP_THREADS_BIND="0|1" VLLM_CPU_KVCACHE_SPACE=1 vllm serve "$MODEL" --port 8000 \
+RAY_PORT=${RAY_PORT:-6390}
+PORT=${PORT:-8000}
+
+# Single node: Ray keeps 127.0.0.1 as the node's address and listens only there
+# (by default on Linux it swaps in the host's routable address and listens on
+# every interface). Read by every Ray process, vLLM's Ray driver included.
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+# Ray and the server each get their own process group (setsid), so that
+# stopping one stops all of it: `ray stop` would stop every Ray on the machine,
+# and a server stopped while still starting would leave its EngineCore behind.
+stop() {  # SIGTERM process group $1, SIGKILL after 30 s
+    kill -TERM -- "-$1" 2>/dev/null || return 0
+    for _ in $(seq 30); do kill -0 -- "-$1" 2>/dev/null || return 0; sleep 1; done
+    kill -KILL -- "-$1" 2>/dev/null || true
+}
+RAY_LOG=$(mktemp)
+RAY_PID= SERVER=
+cleanup() {
+    [[ -n $SERVER ]] && stop "$SERVER"
+    [[ -n $RAY_PID ]] && stop "$RAY_PID"
+    rm -f "$RAY_LOG"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM  # through cleanup
+# --block: this Ray instance lives as long as that one process.
+setsid ray start --head --node-ip-address 127.0.0.1 --port "$RAY_PORT" --num-cpus 2 \
+    --object-store-memory $((256 << 20)) --include-dashboard false \
+    --disable-usage-stats --block >"$RAY_LOG" 2>&1 &
+RAY_PID=$!
+until grep -q "Ray runtime started" "$RAY_LOG"; do
+    kill -0 "$RAY_PID" 2>/dev/null || { cat "$RAY_LOG"; exit 1; }  # ray start failed
+    sleep 1
+done
+
+# vLLM's ray.init() finds the instance started above on this machine.
+VLLM_CPU_OMP_THREADS_BIND="0|1" VLLM_CPU_KVCACHE_SPACE=1 setsid vllm serve "$MODEL" --port "$PORT" \
     --enforce-eager --block-size 32 --max-model-len 4096 \
     --tensor-parallel-size 2 --distributed-executor-backend ray \
-    --kv-eviction h2o --kv-budget 256 &
+    --kv-eviction h2o --kv-budget 128 &
 SERVER=$!
-trap 'kill -INT $SERVER; wait $SERVER; ray stop --force >/dev/null 2>&1 || true' EXIT
-until curl -sf localhost:8000/health >/dev/null; do sleep 2; done
-curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' -d "{
-  \"model\": \"$MODEL\", \"max_tokens\": 300, \"temperature\": 0,
+until curl -sf "localhost:$PORT/health" >/dev/null; do
+    kill -0 "$SERVER" 2>/dev/null || exit 1  # the server died
+    sleep 2
+done
+curl -s "localhost:$PORT/v1/completions" -H 'Content-Type: application/json' -d "{
+  \"model\": \"$MODEL\", \"max_tokens\": 200, \"temperature\": 0,
   \"prompt\": \"Write a long story about a lighthouse keeper.\"}"
 echo
-curl -s localhost:8000/metrics | grep ^vllm_kvevict
+curl -s "localhost:$PORT/metrics" | grep ^vllm_kvevict

@@ -10,7 +10,7 @@ original, delegates to it, and refuses to patch twice.
 | scheduler_schedule     | Scheduler.schedule                            |
 | runner_update_states   | GPUModelRunner._update_states                 |
 | request_validation     | InputProcessor._validate_params               |
-| ray_on_cpu             | CpuPlatform.ray_device_key, RayExecutorV2._get_actor_resource_kwargs, RayWorkerProc.get_node_and_physical_gpu_ids |
+| ray_on_cpu             | CpuPlatform.ray_device_key, RayExecutorV2._get_actor_resource_kwargs / _init_executor, RayWorkerProc.get_node_and_physical_gpu_ids / initialize_worker |
 """
 
 from __future__ import annotations

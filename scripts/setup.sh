@@ -70,10 +70,13 @@ if ! has accelerate "$ACCELERATE_VERSION"; then
     pip_q install "accelerate==$ACCELERATE_VERSION"
 fi
 
-# The project itself; redone only when pyproject.toml changed since last time.
+# The project itself, with its dependencies (ray among them: the Ray executor,
+# tests/test_ray.py); redone only when pyproject.toml changed since last time,
+# or the project or ray is missing.
 stamp="$VENV/.vllm_kvevict-pyproject.sha256"
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
-if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]] || ! "$PY" -c 'import vllm_kvevict' 2>/dev/null; then
+if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]] \
+        || ! "$PY" -c 'import vllm_kvevict, importlib.metadata as m; m.version("ray")' 2>/dev/null; then
     log "installing vllm_kvevict (editable, [dev])"
     pip_q install -e ".[dev]"
     echo "$want" > "$stamp"

@@ -6,7 +6,7 @@ scheduler-side KV managers counted (compactions, evicted tokens, blocks).
 RUNS is a JSON list of engines to run one after the other in this process, e.g.
 `[{"tp": 1, "policy": "h2o", "budget": 32}, {"tp": 2, "policy": "h2o", "budget": 32}]`;
 `"backend": "ray"` runs a tp > 1 engine on vLLM's Ray executor (default `mp`)
-over a local Ray instance this process starts and stops.
+over a local Ray instance this process starts (on 127.0.0.1 only) and stops.
 Policy `stock` runs vLLM with our plugin disabled (VLLM_PLUGINS=""); since
 plugins load once per process, either every run is `stock` or none is.
 
@@ -31,6 +31,21 @@ import os
 import sys
 import time
 
+
+def process_cpus() -> list[int]:
+    """The CPUs any thread of this process may run on (after
+    VLLM_CPU_OMP_THREADS_BIND, one rank's cores)."""
+    import os
+
+    cpus = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            cpus |= os.sched_getaffinity(int(tid))
+        except ProcessLookupError:
+            pass  # ended meanwhile
+    return sorted(cpus)
+
+
 def record_compactions(worker) -> dict:
     """In a worker: who am I, is the plugin live here, and from now on keep
     every compaction's kept logical positions (per layer and local KV head)."""
@@ -42,12 +57,14 @@ def record_compactions(worker) -> dict:
 
     state = worker_state()
     info = {"pid": os.getpid(), "rank": get_tensor_model_parallel_rank(),
-            "plugin": state is not None, "ray_actor": None}
+            "plugin": state is not None, "ray_actor": None,
+            "cpus": process_cpus()}
     try:
         import ray
 
         if ray.is_initialized():
             info["ray_actor"] = ray.get_runtime_context().get_actor_id()
+            info["ray_node_ip"] = ray.util.get_node_ip_address()
     except ImportError:
         pass
     if state is None:
@@ -90,6 +107,14 @@ if __name__ == "__main__":
     stock = stock.pop()
     if stock:
         os.environ["VLLM_PLUGINS"] = ""  # not even our backend subclass is registered
+    if any(run.get("backend") == "ray" for run in args.runs):
+        # Ray on loopback only. On Linux Ray turns 127.0.0.1 into the host's
+        # routable address (ray._private.services.resolve_ip_for_localhost) and
+        # listens on every interface, unless its single-node switch is off: then
+        # the node, GCS, raylet, and the addresses vLLM asks Ray for (gloo
+        # rendezvous, message queues) are all 127.0.0.1. Read when ray is
+        # imported, so before vLLM or the plugin imports it.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     max_tp = max(run["tp"] for run in args.runs)
     if max_tp > 1:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(max_tp))
@@ -111,9 +136,13 @@ if __name__ == "__main__":
         if run.get("backend") == "ray":
             import ray
 
-            # A local Ray instance on this machine, one CPU per rank; vLLM
-            # finds it initialised and only adds its placement group.
-            ray.init(num_cpus=run["tp"], include_dashboard=False,
+            # A new local Ray instance on loopback (see above; "local": never
+            # join a cluster already running here), one CPU per rank; vLLM
+            # finds it initialised and only adds its placement group. It stops at
+            # ray.shutdown() below, or at this process's exit on an error (Ray's
+            # atexit hook); if this process is killed, Ray's agent processes
+            # stay: tests/test_ray.py kills this process's whole session after.
+            ray.init(address="local", num_cpus=run["tp"], include_dashboard=False,
                      object_store_memory=200 << 20, _node_ip_address="127.0.0.1")
         llm = make_llm(args.model, **kw)
         if not stock:
