@@ -10,6 +10,10 @@ original, delegates to it, and refuses to patch twice.
 | scheduler_schedule     | Scheduler.schedule                            |
 | runner_update_states   | GPUModelRunner._update_states                 |
 | request_validation     | InputProcessor._validate_params               |
+| kv_manager_modules     | KVCacheManager.get_computed_blocks / free     |
+| engine_core_modules    | EngineCore.kvevict_modules (added)            |
+| runner_positions       | GPUModelRunner._prepare_inputs                |
+| input_processor_pml    | InputProcessor.process_inputs                 |
 | ray_on_cpu             | CpuPlatform.ray_device_key, RayExecutorV2._get_actor_resource_kwargs / _init_executor, RayWorkerProc.get_node_and_physical_gpu_ids / initialize_worker |
 """
 
@@ -21,7 +25,8 @@ import logging
 logger = logging.getLogger("vllm_kvevict")
 
 PATCHES = ("engine_args", "scheduler_schedule", "runner_update_states",
-           "request_validation", "ray_on_cpu")
+           "request_validation", "ray_on_cpu", "kv_manager_modules", "engine_core_modules",
+           "runner_positions", "input_processor_pml")
 _applied: set[str] = set()
 
 

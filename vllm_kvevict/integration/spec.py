@@ -26,6 +26,7 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from vllm_kvevict.config import EvictionConfig
 from vllm_kvevict.integration.metrics import Snapshot
+from vllm_kvevict.integration.module_store import layout_of
 from vllm_kvevict.integration.plans import CompactionPlan
 from vllm_kvevict.planner import compaction_target
 from vllm_kvevict.policies import make_policy
@@ -86,6 +87,8 @@ class EvictableAttentionManager(FullAttentionManager):
             req = self.requests.get(request_id)
             extra = getattr(getattr(req, "sampling_params", None), "extra_args", None)
             cfg = self.cfg.for_request(extra, self.block_size) if extra else self.cfg
+            if (layout_of(req) or {}).get("pin"):
+                cfg = replace(cfg, policy="none")  # a module is encoded whole, once
             self._request_cfg[request_id] = cfg
         return cfg
 

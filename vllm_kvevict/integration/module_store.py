@@ -1,0 +1,113 @@
+"""Engine core: prompt-module KV blocks, pinned in vLLM's own block pool.
+
+A unit (module) is encoded by an ordinary request whose SamplingParams
+.extra_args[LAYOUT_KEY] says `{"pin": key, "positions": [...]}`. When that
+request finishes, before vLLM frees its blocks, `pin` takes one more reference
+(`BlockPool.touch`) on its full blocks: they never return to the free queue
+while the store holds them. A request whose layout lists `imports` gets those
+blocks as its first blocks through the prefix-hit path of
+`KVCacheManager.get_computed_blocks` (vLLM touches them again per request, so
+`ref_cnt` = 1 + number of running importers), and frees them like any block.
+`drop` releases the store's reference; blocks still read by running requests
+return to the pool when those finish.
+
+Nothing writes a shared block: its tokens are already computed, the request's
+new tokens go to its own blocks, and eviction copies a kept shared block to a
+private one first (spec.EvictableAttentionManager.remove_skipped_blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.v1.request import RequestStatus
+
+LAYOUT_KEY = "kvevict_layout"  # SamplingParams.extra_args key, set by prompt_modules
+
+
+def layout_of(request) -> dict | None:
+    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None)
+    return extra.get(LAYOUT_KEY) if extra else None
+
+
+@dataclass
+class Entry:
+    tokens: tuple[int, ...]
+    blocks: tuple[list, ...]  # per KV cache group, the pinned KVCacheBlocks
+
+
+class ModuleStore:
+    def __init__(self, kv_cache_manager) -> None:
+        self.manager = kv_cache_manager
+        self.entries: dict[str, Entry] = {}
+
+    @classmethod
+    def of(cls, kv_cache_manager) -> "ModuleStore":
+        store = getattr(kv_cache_manager, "_kvevict_modules", None)
+        if store is None:
+            store = kv_cache_manager._kvevict_modules = cls(kv_cache_manager)
+        return store
+
+    @property
+    def _groups(self):
+        return self.manager.coordinator.single_type_managers
+
+    def pin(self, request) -> None:
+        """Keep the full blocks of a finished encode request (before vLLM frees it)."""
+        layout = layout_of(request)
+        key = layout and layout.get("pin")
+        if not key or key in self.entries or request.status not in (
+                RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return  # aborted encodes pin nothing; a re-encode keeps the first copy
+        n = min(request.num_computed_tokens, request.num_prompt_tokens)
+        groups = []
+        for m in self._groups:
+            blocks = m.req_to_blocks.get(request.request_id, [])[: n // m.block_size]
+            groups.append(list(blocks))
+        if not groups or not groups[0]:
+            return
+        n = len(groups[0]) * self._groups[0].block_size
+        for blocks in groups:
+            self.manager.block_pool.touch(blocks)
+        self.entries[key] = Entry(tuple(request.prompt_token_ids[:n]), tuple(groups))
+
+    def computed_blocks(self, request) -> tuple[tuple[list, ...], int] | None:
+        """The pinned blocks opening `request`'s block table and the tokens they
+        hold, or None when it imports nothing available. Each import's tokens
+        are checked against the pinned ones: a request can only ever read
+        blocks that hold exactly its own tokens."""
+        layout = layout_of(request)
+        imports = layout and layout.get("imports")
+        if not imports or len(self._groups) != 1:
+            return None
+        out, n = [], 0
+        ids = request.prompt_token_ids
+        for key, count in imports:
+            entry = self.entries.get(key)
+            bs = self._groups[0].block_size
+            if (entry is None or count % bs or count > len(entry.tokens)
+                    or tuple(ids[n:n + count]) != entry.tokens[:count]):
+                break  # removed meanwhile, or not ours: compute the rest
+            out += entry.blocks[0][: count // bs]
+            n += count
+        if n >= request.num_tokens:  # vLLM must compute at least the last token
+            n -= self._groups[0].block_size
+            out = out[: n // self._groups[0].block_size]
+        return ((out,), n) if n > 0 else None
+
+    def drop(self, prefix: str) -> int:
+        """Release the store's reference on every entry under `prefix`
+        ("schema/"); returns the number of blocks released."""
+        released = 0
+        for key in [k for k in self.entries if k.startswith(prefix)]:
+            entry = self.entries.pop(key)
+            for blocks in entry.blocks:
+                self.manager.block_pool.free_blocks(reversed(blocks))
+                released += len(blocks)
+        return released
+
+    def describe(self) -> dict[str, dict]:
+        """key -> tokens, block ids and vLLM's ref_cnt of each pinned block."""
+        return {k: {"tokens": len(e.tokens), "block_ids": [b.block_id for b in e.blocks[0]],
+                    "ref_cnt": [b.ref_cnt for b in e.blocks[0]]}
+                for k, e in self.entries.items()}

@@ -1,0 +1,71 @@
+"""HTTP routes for prompt-module schemas, as a vLLM endpoint plugin.
+
+    POST   /v1/kvevict/schemas          {"pml": "<schema name=...>...</schema>"}
+    GET    /v1/kvevict/schemas          registered schemas and their modules
+    DELETE /v1/kvevict/schemas/{name}   forget it; its blocks go back to the pool
+                                        once no running request reads them
+
+vLLM loads endpoint plugins only when named in VLLM_PLUGINS (routes widen the
+server's surface), so the server runs with VLLM_PLUGINS=kvevict,kvevict_modules.
+Prompts that import modules need no route: they go to /v1/completions or
+/v1/chat/completions as PML text (patches/input_processor_pml.py).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from vllm_kvevict.integration import prompt_modules as pm
+from vllm_kvevict.pml import PMLError
+
+router = APIRouter(prefix="/v1/kvevict")
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    kind = "NotFoundError" if status == 404 else "BadRequestError"
+    return JSONResponse(status_code=status,
+                        content={"error": {"message": message, "type": kind, "code": status}})
+
+
+@router.post("/schemas")
+async def register(request: Request):
+    try:
+        body = await request.json()
+    except ValueError:
+        return _error(400, "body must be JSON: {\"pml\": \"<schema ...>\"}")
+    pml = body.get("pml") if isinstance(body, dict) else None
+    if not isinstance(pml, str):
+        return _error(400, "body must be JSON: {\"pml\": \"<schema ...>\"}")
+    try:
+        summary = await pm.register_schema_async(request.app.state.engine_client, pml)
+    except PMLError as e:
+        return _error(400, str(e))
+    return JSONResponse(summary)
+
+
+@router.get("/schemas")
+async def list_schemas(request: Request):
+    return JSONResponse({"schemas": pm.list_schemas(request.app.state.engine_client)})
+
+
+@router.delete("/schemas/{name}")
+async def remove(name: str, request: Request):
+    try:
+        released = await pm.remove_schema_async(request.app.state.engine_client, name)
+    except KeyError as e:
+        return _error(404, e.args[0])
+    return JSONResponse({"name": name, "blocks_released": released})
+
+
+class PromptModulesEndpoints:
+    """`vllm.endpoint_plugins` entry point (see vllm/plugins/endpoint_plugins)."""
+
+    name = "kvevict_modules"
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: FastAPI) -> None:
+        app.include_router(router)
+
+    async def init_state(self, engine_client, state, args) -> None:
+        pass  # routes read app.state.engine_client, set by vLLM
