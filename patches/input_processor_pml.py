@@ -23,9 +23,15 @@ def apply() -> None:
     from vllm.v1.engine.input_processor import InputProcessor
 
     from vllm_kvevict.integration.prompt_modules import check_layout, expand
-    from vllm_kvevict.pml import PMLError
+    from vllm_kvevict.pml import OPEN_RE, PMLError
 
     def process_inputs(self, request_id, prompt, params, *args, **kwargs):
+        # Raw text (LLMEngine.add_request("...")) is rendered inside the
+        # original; a PML one is expanded here instead, from its text.
+        text = prompt if isinstance(prompt, str) else (
+            prompt.get("prompt") if isinstance(prompt, dict) and "type" not in prompt else None)
+        if isinstance(text, str) and OPEN_RE.search(text):
+            prompt = {"type": "token", "prompt": text, "prompt_token_ids": []}
         if isinstance(params, SamplingParams) and isinstance(prompt, dict):
             try:
                 prompt, params = expand(self, prompt, params)

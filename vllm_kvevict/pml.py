@@ -201,17 +201,20 @@ def parse_prompt(source: str) -> Prompt:
     return Prompt(schema, parts)
 
 
-PROMPT_RE = re.compile(r"<prompt\b.*?</prompt\s*>|<prompt\b[^>]*/>", re.DOTALL)
+OPEN_RE = re.compile(r"<prompt\s+schema\s*=")
+ELEMENT_RE = re.compile(r"<prompt\s+schema\s*=[^>]*?/>|<prompt\s+schema\s*=.*?</prompt\s*>", re.DOTALL)
 
 
 def find_prompt(text: str) -> tuple[str, str, str] | None:
-    """Split `text` into (before, <prompt ...>...</prompt>, after), or None when
-    it holds no PML prompt. Chat templates wrap the user's message, so the
+    """Split `text` into (before, <prompt schema=...>...</prompt>, after), or None
+    when it holds no PML prompt. Chat templates wrap the user's message, so the
     element may sit anywhere in the rendered text."""
-    found = PROMPT_RE.findall(text)
-    if not found:
+    opened = len(OPEN_RE.findall(text))
+    if not opened:
         return None
-    if len(found) > 1:
+    if opened > 1:
         raise PMLError("one <prompt> per request: a prompt cannot mix schemas")
-    m = PROMPT_RE.search(text)
+    m = ELEMENT_RE.search(text)
+    if m is None:
+        raise PMLError("malformed PML prompt: <prompt schema=...> is never closed")
     return text[: m.start()], m.group(0), text[m.end():]

@@ -1,0 +1,250 @@
+"""Prompt modules on a real engine: positions, sharing, copy-on-write, bad input.
+
+The reference is the Prompt Cache computation written densely in transformers:
+each module's tokens attend only to their own module (encoded alone, at their
+schema positions); every token the request computes attends to all tokens
+before it in the request's physical order. Sharing and freeing are read from
+vLLM's own BlockPool (ref_cnt, free queue), never from our counters.
+"""
+
+import pytest
+import torch
+from conftest import close, make_llm
+
+from vllm_kvevict.integration import prompt_modules as pm
+from vllm_kvevict.integration.probe import scheduler_of
+from vllm_kvevict.pml import parse_prompt
+from vllm_kvevict.prompt_layout import layout_prompt
+
+BS = 32
+ALICE = ("Alice lives in Paris, where she bakes bread every morning before the sun rises. "
+         "Her bakery is on a small street near the river, and her croissants are famous. ") * 2
+BOB = ("Bob is a pilot who flies long routes between Tokyo and Sydney. He has a cat named "
+       "Miso and he collects old maps of the Pacific Ocean. ") * 2
+SCHEMA = f"""<schema name="people">You answer questions about people.
+<module name="alice">{ALICE}</module>
+<module name="bob">{BOB} He is <param name="age" len="6"/> years old.</module>
+</schema>"""
+PROMPT = '<prompt schema="people"><bob age="forty-two"/><alice/>Question: who has a cat? Answer:</prompt>'
+
+
+@pytest.fixture(scope="module")
+def llm(model_path):
+    llm = make_llm(model_path, dtype="float32")
+    yield llm
+    pm.REGISTRY.schemas.clear()
+    close(llm)
+
+
+@pytest.fixture
+def schema(llm):
+    summary = pm.register_schema(llm, SCHEMA)
+    yield summary
+    if "people" in pm.REGISTRY.schemas:
+        pm.remove_schema(llm, "people")
+
+
+@pytest.fixture(scope="module")
+def hf(model_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    return model, AutoTokenizer.from_pretrained(model_path)
+
+
+def read_kv(worker, layer: int, block_ids: list[int]):
+    """(k, v) [H, N, D] of the tokens in `block_ids`, read from vLLM's paged cache."""
+    from vllm_kvevict.kv_layout import KVLayout
+
+    ctx = worker.model_runner.vllm_config.compilation_config.static_forward_context
+    attn = ctx[f"model.layers.{layer}.self_attn.attn"]
+    kv = attn.kv_cache
+    layout = KVLayout.for_cache(kv, attn.isa)
+    heads, bs = kv.shape[1], kv.shape[2]
+    slots = torch.tensor([b * bs + o for b in block_ids for o in range(bs)])
+    k, v = layout.read_tokens(*layout.split(kv), (slots // bs).expand(heads, -1),
+                              (slots % bs).expand(heads, -1))
+    return k.float(), v.float()
+
+
+def request_layout(llm, prompt: str):
+    schema = pm.REGISTRY.schemas["people"]
+    tok = llm.llm_engine.input_processor.tokenizer
+    return schema, layout_prompt(schema, parse_prompt(prompt),
+                                 lambda s: list(tok.encode(s, add_special_tokens=False)), BS)
+
+
+def dense_reference(model, ids, positions, segment, n_new: int) -> list[int]:
+    """Greedy tokens of the masked Prompt Cache computation. segment[i] >= 0: a
+    shared module token (attends within its module only); -1: computed by the request."""
+    ids, positions, segment = list(ids), list(positions), list(segment)
+    out = []
+    for _ in range(n_new):
+        seg = torch.tensor(segment)
+        n = len(ids)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        allowed = causal & ((seg[:, None] < 0) | (seg[:, None] == seg[None, :]))
+        mask = torch.zeros(1, 1, n, n).masked_fill(~allowed, float("-inf"))
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]),
+                           attention_mask=mask).logits[0, -1]
+        nxt = int(logits.argmax())
+        out.append(nxt)
+        ids.append(nxt)
+        positions.append(max(positions) + 1)
+        segment.append(-1)
+    return out
+
+
+def test_module_kv_and_first_tokens_match_dense_reference(llm, schema, hf):
+    from vllm import SamplingParams
+
+    model, _ = hf
+    layout_s, layout = request_layout(llm, PROMPT)
+    pinned = pm.pinned_modules(llm)
+    assert set(pinned) == {"people/alice", "people/bob"}
+    # Module KV: vLLM's pinned blocks hold what the model computes for the
+    # module's tokens alone, at the module's schema positions.
+    last = model.config.num_hidden_layers - 1
+    for key, entry in pinned.items():
+        unit = layout_s.units[key.split("/")[1]]
+        n = entry["tokens"]
+        with torch.no_grad():
+            cache = model(input_ids=torch.tensor([unit.tokens]),
+                          position_ids=torch.tensor([unit.positions]), use_cache=True).past_key_values
+        for layer in (0, last):
+            (k, v), = llm.collective_rpc(read_kv, args=(layer, entry["block_ids"]))
+            ref_k, ref_v = cache.layers[layer].keys[0, :, :n], cache.layers[layer].values[0, :, :n]
+            torch.testing.assert_close(k, ref_k, atol=2e-3, rtol=1e-3)
+            torch.testing.assert_close(v, ref_v, atol=2e-3, rtol=1e-3)
+    # The params' positions are a gap in bob's encoding; its value sits there.
+    start, length = layout_s.units["bob"].params["age"]
+    assert not set(range(start, start + length)) & set(layout_s.units["bob"].positions)
+    # First generated tokens: the same as the dense masked computation.
+    segment, n = [], 0
+    for i, (key, count) in enumerate(layout.imports):
+        segment += [i] * count
+    segment += [-1] * (len(layout.token_ids) - len(segment))
+    ref = dense_reference(model, layout.token_ids, layout.positions, segment, 8)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert list(out.prompt_token_ids) == layout.token_ids
+    assert list(out.outputs[0].token_ids) == ref
+    # The shared tokens really were reused, not recomputed.
+    assert out.num_cached_tokens == layout.num_shared > 0
+
+
+def _ref_counts(llm) -> dict[str, list[int]]:
+    return {k: e["ref_cnt"] for k, e in pm.pinned_modules(llm).items()}
+
+
+def test_concurrent_requests_hold_module_blocks_once_and_free_them(llm, schema):
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    pool = scheduler_of(llm).kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    pinned = pm.pinned_modules(llm)
+    assert all(r == [1] * len(r) for r in _ref_counts(llm).values())  # the store's own pin
+    n = 4
+    questions = ["who bakes?", "who flies?", "where is the bakery?", "what is the cat called?"]
+    for i, q in enumerate(questions):
+        engine.add_request(str(9000 + i), f'<prompt schema="people"><alice/><bob/>{q}</prompt>',
+                           SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    engine.step()  # all four admitted and prefilled together
+    manager = scheduler_of(llm).kv_cache_manager.coordinator.single_type_managers[0]
+    module_ids = pinned["people/alice"]["block_ids"] + pinned["people/bob"]["block_ids"]
+    tables = [blocks for rid, blocks in manager.req_to_blocks.items() if rid.startswith("900")]
+    assert len(tables) == n
+    for blocks in tables:  # each table starts with the shared blocks
+        assert [b.block_id for b in blocks[: len(module_ids)]] == module_ids
+    assert all(r == [1 + n] * len(r) for r in _ref_counts(llm).values())
+    # Removing the schema mid-flight drops only the store's reference.
+    released = pm.remove_schema(llm, "people")
+    assert released == len(module_ids)
+    assert all(pool.blocks[b].ref_cnt == n for b in module_ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert all(pool.blocks[b].ref_cnt == 0 for b in module_ids)
+    assert pool.get_num_free_blocks() == free_before + len(module_ids)
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # all back, minus the null block
+
+
+def test_a_plain_prompt_never_hits_module_blocks(llm, schema):
+    """Module blocks hold KV at schema positions: a plain request with the same
+    tokens must compute its own (prefix caching stays on)."""
+    from vllm import SamplingParams
+
+    unit = pm.REGISTRY.schemas["people"].units["alice"]
+    out = llm.generate([{"prompt_token_ids": unit.tokens + [13]}],
+                       SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("bad, message", [
+    ('<prompt schema="people"><alice/>', "malformed PML"),
+    ('<prompt schema="nobody"><alice/></prompt>', "no schema 'nobody'"),
+    ('<prompt schema="people"><carol/></prompt>', "has no module 'carol'"),
+    ('<prompt schema="people"><bob age="one two three four five six seven eight"/></prompt>',
+     "its len is 6"),
+    ('<prompt schema="people"><alice/></prompt> and <prompt schema="other"><x/></prompt>',
+     "cannot mix schemas"),
+])
+def test_bad_prompts_are_refused_and_change_nothing(llm, schema, bad, message):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    pool = scheduler_of(llm).kv_cache_manager.block_pool
+    free, refs = pool.get_num_free_blocks(), _ref_counts(llm)
+    with pytest.raises(VLLMValidationError, match=message):
+        llm.generate([bad], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert pool.get_num_free_blocks() == free and _ref_counts(llm) == refs
+    good = llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert good[0].num_cached_tokens > 0
+
+
+def test_union_members_are_exclusive(llm):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    pm.register_schema(llm, '<schema name="lang"><union><module name="en">Hello there.</module>'
+                            '<module name="fr">Bonjour.</module></union></schema>')
+    try:
+        with pytest.raises(VLLMValidationError, match="members of one <union>"):
+            llm.generate(['<prompt schema="lang"><en/><fr/>Hi</prompt>'],
+                         SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        pm.remove_schema(llm, "lang")
+
+
+def test_registration_errors(llm, schema):
+    from vllm_kvevict.pml import PMLError
+
+    with pytest.raises(PMLError, match="already registered"):
+        pm.register_schema(llm, SCHEMA)
+    with pytest.raises(PMLError, match="malformed PML schema"):
+        pm.register_schema(llm, "<schema name='x'><module name='a'>unclosed</schema>")
+    with pytest.raises(KeyError, match="no schema 'ghost'"):
+        pm.remove_schema(llm, "ghost")
+
+
+def test_a_forged_layout_is_refused(llm, schema):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    forged = {"kvevict_layout": {"pin": "people/alice", "positions": [0, 1, 2]}}
+    with pytest.raises(VLLMValidationError, match="internal to vllm_kvevict"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}],
+                     SamplingParams(max_tokens=1, extra_args=forged), use_tqdm=False)
+
+
+def test_h2o_engine_refuses_modules(model_path):
+    from vllm_kvevict.pml import PMLError
+
+    llm = make_llm(model_path, additional_config={"kv_eviction": "h2o", "kv_budget": 64})
+    try:
+        with pytest.raises(PMLError, match="h2o"):
+            pm.register_schema(llm, SCHEMA)
+    finally:
+        close(llm)
