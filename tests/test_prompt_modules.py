@@ -248,3 +248,34 @@ def test_h2o_engine_refuses_modules(model_path):
             pm.register_schema(llm, SCHEMA)
     finally:
         close(llm)
+
+
+def test_eviction_copies_shared_blocks_and_never_writes_them(model_path):
+    """AnDPro at a 64-token budget on a request that imports ~130 shared tokens:
+    compaction writes private blocks; the pinned ones keep their KV, and a
+    second importer gets exactly the same result."""
+    from vllm import SamplingParams
+
+    llm = make_llm(model_path, dtype="float32",
+                   additional_config={"kv_eviction": "andpro", "kv_budget": 64})
+    try:
+        pm.register_schema(llm, SCHEMA)
+        pinned = pm.pinned_modules(llm)
+        ids = [b for e in pinned.values() for b in e["block_ids"]]
+        before = llm.collective_rpc(read_kv, args=(3, ids))[0]
+        sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+        first = llm.generate([PROMPT], sp, use_tqdm=False)[0]
+        manager = scheduler_of(llm).kv_cache_manager.coordinator.single_type_managers[0]
+        assert manager.num_compactions > 0 and first.num_cached_tokens > 0
+        after = llm.collective_rpc(read_kv, args=(3, ids))[0]
+        for a, b in zip(before, after):
+            assert torch.equal(a, b)
+        assert all(r == [1] * len(r) for r in _ref_counts(llm).values())
+        second = llm.generate([PROMPT], sp, use_tqdm=False)[0]
+        assert second.outputs[0].token_ids == first.outputs[0].token_ids
+        pm.remove_schema(llm, "people")
+        pool = scheduler_of(llm).kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    finally:
+        pm.REGISTRY.schemas.pop("people", None)
+        close(llm)
