@@ -81,8 +81,30 @@ class Server:
         except requests.RequestException:
             return False
 
+    def processes(self) -> list:
+        """The live (not zombie) processes of this server's session, as psutil
+        processes: the API server, its engine core, workers and helpers, and any
+        of them left behind after their parent died (they keep the session)."""
+        import psutil
+
+        sid = self.proc.pid if self.proc else None
+        out = []
+        for p in psutil.process_iter():
+            try:
+                if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except (OSError, psutil.Error):
+                continue
+        return out
+
     def stop(self, timeout: float = 30.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is not None:  # exited; its engine core or workers may not have
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             return
         for sig, wait in ((signal.SIGINT, timeout), (signal.SIGKILL, 10)):
             try:
@@ -116,6 +138,22 @@ class Server:
         if "{" in name:
             return self.metrics().get(name, 0.0)
         return sum(v for k, v in self.metrics().items() if k.split("{")[0] == name)
+
+    def wait_idle(self, timeout: float = 60.0) -> dict[str, float]:
+        """Poll `/metrics` until vLLM reports no request running or waiting and
+        `vllm:kv_cache_usage_perc` 0 (every KV block back in its pool), or
+        `timeout` passes; returns the last scrape either way (callers assert)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+
+            def total(name):
+                return sum(v for k, v in m.items() if k.split("{")[0] == name)
+
+            if (total("vllm:num_requests_running") == 0 and total("vllm:num_requests_waiting") == 0
+                    and total("vllm:kv_cache_usage_perc") == 0) or time.monotonic() > deadline:
+                return m
+            time.sleep(0.5)
 
     def complete(self, prompt: str, **body) -> requests.Response:
         body = {"model": self.model, "prompt": prompt, "temperature": 0, **body}
