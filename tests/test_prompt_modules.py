@@ -279,3 +279,29 @@ def test_eviction_copies_shared_blocks_and_never_writes_them(model_path):
     finally:
         pm.REGISTRY.schemas.pop("people", None)
         close(llm)
+
+
+def test_preempted_importers_reattach_and_leave_the_pool_whole(model_path):
+    """A pool too small for all importers at once: vLLM preempts some, and on
+    resume they adopt the module blocks again through the same path."""
+    from vllm import SamplingParams
+
+    from vllm_kvevict.integration.probe import attach
+
+    llm = make_llm(model_path, dtype="float32", kv_cache_memory_bytes=24 << 20, max_model_len=512)
+    try:
+        pm.register_schema(llm, SCHEMA)
+        probe = attach(llm)
+        prompts = [f'<prompt schema="people"><alice/><bob/>Question {i}: tell me more.</prompt>'
+                   for i in range(8)]
+        sp = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        assert probe.preemptions > 0
+        assert all(len(o.outputs[0].token_ids) == 160 and o.num_cached_tokens > 0 for o in outs)
+        assert all(r == [1] * len(r) for r in _ref_counts(llm).values())
+        pm.remove_schema(llm, "people")
+        pool = scheduler_of(llm).kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    finally:
+        pm.REGISTRY.schemas.pop("people", None)
+        close(llm)
