@@ -99,7 +99,6 @@ def layout_schema(schema: Schema, tokenize: Tokenize) -> SchemaLayout:
         return cursor + len(ids)
 
     def module(m: Module, cursor: int, parent: str | None, union: int | None) -> int:
-        nonlocal unions
         unit = units[m.name] = Unit(m.name, parent=parent, union=union, start=cursor)
         for part in m.parts:
             if isinstance(part, Text):
