@@ -33,6 +33,7 @@ def layout_of(request) -> dict | None:
 @dataclass
 class Entry:
     tokens: tuple[int, ...]
+    positions: tuple[int, ...]  # the schema positions its KV was computed at
     blocks: tuple[list, ...]  # per KV cache group, the pinned KVCacheBlocks
 
 
@@ -69,24 +70,26 @@ class ModuleStore:
         n = len(groups[0]) * self._groups[0].block_size
         for blocks in groups:
             self.manager.block_pool.touch(blocks)
-        self.entries[key] = Entry(tuple(request.prompt_token_ids[:n]), tuple(groups))
+        self.entries[key] = Entry(tuple(request.prompt_token_ids[:n]),
+                                  tuple(layout["positions"][:n]), tuple(groups))
 
     def computed_blocks(self, request) -> tuple[tuple[list, ...], int] | None:
         """The pinned blocks opening `request`'s block table and the tokens they
         hold, or None when it imports nothing available. Each import's tokens
-        are checked against the pinned ones: a request can only ever read
-        blocks that hold exactly its own tokens."""
+        and positions are checked against the pinned ones: a request can only
+        ever read blocks that hold exactly its own tokens at its own positions."""
         layout = layout_of(request)
         imports = layout and layout.get("imports")
         if not imports or len(self._groups) != 1:
             return None
         out, n = [], 0
-        ids = request.prompt_token_ids
+        ids, pos = request.prompt_token_ids, layout["positions"]
         for key, count in imports:
             entry = self.entries.get(key)
             bs = self._groups[0].block_size
             if (entry is None or count % bs or count > len(entry.tokens)
-                    or tuple(ids[n:n + count]) != entry.tokens[:count]):
+                    or tuple(ids[n:n + count]) != entry.tokens[:count]
+                    or tuple(pos[n:n + count]) != entry.positions[:count]):
                 break  # removed meanwhile, or not ours: compute the rest
             out += entry.blocks[0][: count // bs]
             n += count
