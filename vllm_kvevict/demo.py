@@ -3,7 +3,9 @@
     python -m vllm_kvevict.demo [--budget 160] [--requests 16] [--max-tokens 256]
 
 Prints, per policy, the peak KV blocks held (vLLM's BlockPool), tokens kept vs
-seen, throughput, and the start of each generated text.
+seen, throughput, and the start of each generated text; then prompt modules:
+the same documents in varying order, as plain prompts (prefix caching misses)
+and as PML prompts importing them, with the time to first token of each.
 """
 
 from __future__ import annotations
@@ -50,6 +52,41 @@ def run(model: str, policy: str, args) -> dict:
     return result
 
 
+TOPICS = ["lighthouses", "volcanoes", "honey bees", "glaciers"]
+
+
+def modules(model: str, args) -> dict:
+    """TTFT of reordered documents: plain prompts (prefix caching on) vs modules."""
+    import random
+
+    from vllm import LLM, SamplingParams
+
+    from vllm_kvevict.integration import prompt_modules as pm
+
+    llm = LLM(model, enforce_eager=True, dtype="bfloat16", block_size=args.block_size,
+              max_model_len=2048, kv_cache_memory_bytes=args.pool_mib << 20, seed=0)
+    docs = {f"d{i}": " ".join(f"Fact {j} about {t}: {t} are studied by scientists who "
+                              f"record what they see in notebook number {i * 10 + j}."
+                              for j in range(12)) for i, t in enumerate(TOPICS)}
+    body = "".join(f'<module name="{k}">{v}</module>' for k, v in docs.items())
+    pm.register_schema(llm, f'<schema name="demo">Answer from the documents.{body}</schema>')
+    rng, params = random.Random(0), SamplingParams(temperature=0, max_tokens=1)
+    rows = []
+    for _ in range(8):
+        names = rng.sample(sorted(docs), rng.randint(2, 4))
+        question = "Which notebook is mentioned first?"
+        plain = "Answer from the documents.\n" + "\n".join(docs[k] for k in names) + question
+        pml = f'<prompt schema="demo">{"".join(f"<{k}/>" for k in names)}{question}</prompt>'
+        for kind, prompt in (("plain", plain), ("modules", pml)):
+            start = time.perf_counter()
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            rows.append((kind, time.perf_counter() - start, len(out.prompt_token_ids),
+                         out.num_cached_tokens))
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+    return {kind: [r[1:] for r in rows if r[0] == kind] for kind in ("plain", "modules")}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: the converted SmolLM2-135M")
@@ -72,6 +109,14 @@ def main() -> None:
               f"{r['kept']} / {r['seen']} | {r['tok_s']:.1f} |")
     for r in rows:
         print(f"\n--- {r['policy']}: {r['text'][:300]!r}")
+    ttft = modules(model, args)
+    print("\nPrompt modules: 8 prompts of 2-4 documents in varying order (first token only)")
+    print("| prompts | mean prompt tokens | mean tokens reused | mean TTFT ms |")
+    print("|---|---|---|---|")
+    for kind, rs in ttft.items():
+        n = len(rs)
+        print(f"| {kind} | {sum(r[1] for r in rs) / n:.0f} | {sum(r[2] for r in rs) / n:.0f} | "
+              f"{1000 * sum(r[0] for r in rs) / n:.0f} |")
 
 
 if __name__ == "__main__":
