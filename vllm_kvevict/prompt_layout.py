@@ -116,7 +116,8 @@ def layout_schema(schema: Schema, tokenize: Tokenize) -> SchemaLayout:
     def union_(u: Union, cursor: int, parent: str | None) -> int:
         nonlocal unions
         unions += 1
-        return max(module(m, cursor, parent, unions) for m in u.members)
+        index = unions  # a member's own nested unions bump the counter
+        return max(module(m, cursor, parent, index) for m in u.members)
 
     cursor = 0
     for part in schema.parts:
