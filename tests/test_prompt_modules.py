@@ -182,6 +182,31 @@ def test_a_plain_prompt_never_hits_module_blocks(llm, schema):
     assert out.num_cached_tokens == 0
 
 
+def test_the_same_module_prompt_again_also_reuses_its_own_blocks(llm, schema):
+    """An identical PML prompt sent again hits, after the module blocks, the
+    full blocks the first one computed (tails, parameter values, free text)
+    through vLLM's prefix cache, as APC does for an identical plain prompt,
+    and generates the same tokens. A prompt with another parameter value
+    reuses the modules and its full blocks before the first differing token."""
+    from vllm import SamplingParams
+
+    question = "Question: " + " ".join(f"does person {i} have a cat?" for i in range(12))
+    make = lambda age: (f'<prompt schema="people"><bob age="{age}"/><alice/>'  # noqa: E731
+                        f'{question} Answer:</prompt>')
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    first, second, other = (llm.generate([make(age)], params, use_tqdm=False)[0]
+                            for age in ("forty-two", "forty-two", "thirty"))
+    shared = request_layout(llm, make("forty-two"))[1].num_shared
+    n = len(second.prompt_token_ids)
+    assert n - shared > 2 * BS  # the request computes several full blocks itself
+    assert first.num_cached_tokens == shared
+    assert second.num_cached_tokens == (n - 1) // BS * BS  # all but the last token's block
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    ids, other_ids = (request_layout(llm, make(age))[1].token_ids for age in ("forty-two", "thirty"))
+    diff = next(i for i, (a, b) in enumerate(zip(ids, other_ids)) if a != b)
+    assert diff >= shared and other.num_cached_tokens == diff // BS * BS
+
+
 @pytest.mark.parametrize("bad, message", [
     ('<prompt schema="people"><alice/>', "malformed PML"),
     ('<prompt schema="nobody"><alice/></prompt>', "no schema 'nobody'"),

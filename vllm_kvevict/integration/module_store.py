@@ -84,19 +84,41 @@ class ModuleStore:
             return None
         out, n = [], 0
         ids, pos = request.prompt_token_ids, layout["positions"]
+        bs = self._groups[0].block_size
         for key, count in imports:
             entry = self.entries.get(key)
-            bs = self._groups[0].block_size
             if (entry is None or count % bs or count > len(entry.tokens)
                     or tuple(ids[n:n + count]) != entry.tokens[:count]
                     or tuple(pos[n:n + count]) != entry.positions[:count]):
                 break  # removed meanwhile, or not ours: compute the rest
             out += entry.blocks[0][: count // bs]
             n += count
+        else:
+            n, out = self._private_hits(request, n, out)
         if n >= request.num_tokens:  # vLLM must compute at least the last token
             n -= self._groups[0].block_size
             out = out[: n // self._groups[0].block_size]
         return ((out,), n) if n > 0 else None
+
+    def _private_hits(self, request, n: int, out: list) -> tuple[int, list]:
+        """Extend a complete module hit with vLLM's own prefix cache: the
+        request's next full blocks (tails, parameters, free text) as an earlier
+        request with the same layout left them. Safe because the request's
+        cache salt hashes its positions and imports, so a block hash fixes the
+        tokens, their positions and every module block they attended to. Only
+        blocks that vLLM registered are found (none under h2o/snapkv/andpro)."""
+        pool, group = self.manager.block_pool, self._groups[0]
+        if pool.hash_block_size != group.block_size:
+            return n, out
+        hashes = request.block_hashes
+        i = n // group.block_size
+        while i < len(hashes):
+            hit = pool.get_cached_block(hashes[i], [group.kv_cache_group_id])
+            if hit is None:
+                break
+            out.append(hit[0])
+            i += 1
+        return i * group.block_size, out
 
     def drop(self, prefix: str) -> int:
         """Release the store's reference on every entry under `prefix`
