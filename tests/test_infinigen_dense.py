@@ -121,12 +121,14 @@ def test_evaluate_with_pools_in_the_loop_and_markdown(smol):
         assert st["peak_blocks"] == capacity and st["evictions"] == offloaded - capacity
         assert st["prefetch_misses"] == 0  # evicted blocks are never selected in the loop
         assert st["prefetch_hits"] > 0
-    # until the pool fills, the pooled rows are the plain InfiniGen row exactly
+    # until the pool fills, the pooled rows are the plain InfiniGen row (to float
+    # rounding: rows of one batch are not bit-identical on every CPU; CI's differed)
     first_eviction = 8 * (capacity // 29 + 1)  # blocks fill all layers together
     full_nll = res.nll[res.names.index("infinigen")]
     for policy in ("counter", "fifo"):
         pooled = res.nll[res.names.index(f"infinigen+{policy}")]
-        assert torch.equal(pooled[:first_eviction - 1], full_nll[:first_eviction - 1])
+        torch.testing.assert_close(pooled[:first_eviction - 1], full_nll[:first_eviction - 1],
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_parse_method_specs():
