@@ -68,6 +68,7 @@ import torch
 
 from vllm_kvevict import skewing as sk
 from vllm_kvevict.host_pool import HostKVPool, replay
+from vllm_kvevict.eval.tasks import window_perplexity
 from vllm_kvevict.policies import H2OPolicy
 
 ATTN_NAME = "kvevict_dense"
@@ -365,11 +366,6 @@ class DenseRun:
         return nll
 
 
-def window_ppl(nll: torch.Tensor, window: int) -> list[float]:
-    """(T,) -> perplexity of each consecutive ``window`` of targets (last may be short)."""
-    return [math.exp(nll[i:i + window].mean().item()) for i in range(0, nll.shape[0], window)]
-
-
 @dataclass
 class Result:
     names: list
@@ -384,7 +380,8 @@ class Result:
         return math.exp(self.nll[self.names.index(name)].mean().item())
 
     def windows(self, name: str) -> list[float]:
-        return window_ppl(self.nll[self.names.index(name)], self.window)
+        """Perplexity of each consecutive ``window`` of targets (the last may be short)."""
+        return window_perplexity(self.nll[self.names.index(name)].tolist(), self.window)
 
 
 SPEC_KEYS = {"h2o": {"budget": int, "recent": int},

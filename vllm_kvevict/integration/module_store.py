@@ -96,8 +96,8 @@ class ModuleStore:
         else:
             n, out = self._private_hits(request, n, out)
         if n >= request.num_tokens:  # vLLM must compute at least the last token
-            n -= self._groups[0].block_size
-            out = out[: n // self._groups[0].block_size]
+            n -= bs
+            out = out[: n // bs]
         return ((out,), n) if n > 0 else None
 
     def _private_hits(self, request, n: int, out: list) -> tuple[int, list]:
