@@ -13,8 +13,10 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-POLICIES = ("none", "h2o", "streaming", "snapkv", "andpro")
+POLICIES = ("none", "h2o", "streaming", "snapkv", "andpro", "infinigen")
 WINDOW_POLICIES = ("snapkv", "andpro")  # scored by their last `window` queries
+VICTIMS = ("counter", "lru", "fifo")  # host-pool victim policies (host_pool.py)
+DEFAULT_SWAP_SPACE = 4 << 30  # host pool bytes under infinigen when not given
 
 # key in additional_config -> CLI flag, for error messages and the CLI layer.
 FLAGS = {
@@ -23,6 +25,11 @@ FLAGS = {
     "kv_recent": "--kv-recent",
     "kv_sink": "--kv-sink",
     "kv_window": "--kv-window",
+    "kv_swap_space": "--kv-swap-space",
+    "kv_alpha": "--kv-alpha",
+    "kv_prefetch": "--kv-prefetch",
+    "kv_partial": "--kv-partial",
+    "kv_host_victim": "--kv-host-victim",
 }
 
 
@@ -80,6 +87,19 @@ class EvictionConfig:
              snapkv/andpro the observation window, at most half the budget.
     sink:    tokens always kept at the start (streaming only).
     window:  observation window of snapkv/andpro, in tokens (the papers' 32).
+
+    Offload (InfiniGen): evicted KV goes to a host pool instead of being
+    dropped, and each decode step fetches back the entries its query is
+    predicted to need. On with policy "infinigen" (resident set: sinks + recent
+    window) or with any other policy given a `swap_space` (that policy then
+    chooses what stays resident).
+    swap_space: host pool bytes per worker (None: 4 GiB under infinigen, else
+             no offload).
+    alpha:   prefetch tokens whose partial logit is above max - alpha.
+    prefetch: cap on the tokens attended per step, as a fraction of the
+             request's length (the paper's 20 %).
+    partial: fraction of the head dimension in the partial query/key (30 %).
+    host_victim: "counter" (the paper), "lru" or "fifo".
     """
 
     policy: str = "none"
@@ -87,10 +107,29 @@ class EvictionConfig:
     recent: int | float | None = None
     sink: int = 4
     window: int = 32
+    swap_space: int | None = None
+    alpha: float = 4.0
+    prefetch: float = 0.2
+    partial: float = 0.3
+    host_victim: str = "counter"
 
     @property
     def enabled(self) -> bool:
         return self.policy != "none"
+
+    @property
+    def offload(self) -> bool:
+        """Evicted KV goes to the host pool (InfiniGen) instead of being dropped."""
+        return self.policy == "infinigen" or bool(self.swap_space)
+
+    @property
+    def swap_bytes(self) -> int:
+        return self.swap_space or (DEFAULT_SWAP_SPACE if self.offload else 0)
+
+    @property
+    def resident_policy(self) -> str:
+        """The policy that chooses which tokens stay resident."""
+        return "streaming" if self.policy == "infinigen" else self.policy
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> "EvictionConfig":
@@ -125,12 +164,23 @@ class EvictionConfig:
         if policy == "streaming" and isinstance(budget, int) and sink >= budget:
             raise EvictionConfigError(
                 f"{_flag('kv_sink')} ({sink}) must be smaller than --kv-budget ({budget})")
-        return cls(policy=policy, budget=budget, recent=recent, sink=sink, window=window)
+        offload = _offload_settings(raw)
+        if offload.get("swap_space") and policy == "none":
+            raise EvictionConfigError(
+                f"{_flag('kv_swap_space')} needs an eviction policy: it holds what "
+                f"--kv-eviction evicts (try --kv-eviction infinigen)")
+        return cls(policy=policy, budget=budget, recent=recent, sink=sink, window=window,
+                   **offload)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        return {"kv_eviction": d["policy"], "kv_budget": d["budget"],
-                "kv_recent": d["recent"], "kv_sink": d["sink"], "kv_window": d["window"]}
+        out = {"kv_eviction": d["policy"], "kv_budget": d["budget"],
+               "kv_recent": d["recent"], "kv_sink": d["sink"], "kv_window": d["window"]}
+        if self.offload:  # keep the old keys (and spec hashes) for the other policies
+            out.update(kv_swap_space=self.swap_bytes, kv_alpha=self.alpha,
+                       kv_prefetch=self.prefetch, kv_partial=self.partial,
+                       kv_host_victim=self.host_victim)
+        return out
 
     def check_block_size(self, block_size: int) -> None:
         """Refuse budgets that cannot hold one whole block (known only at startup)."""
@@ -199,3 +249,54 @@ class EvictionConfig:
         if isinstance(self.recent, int):
             return min(self.recent, budget)
         return min(budget, math.ceil(self.recent * length))
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
+          "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
+          "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+
+
+def parse_bytes(key: str, value: Any) -> int:
+    """`8GiB`, `512MiB`, `1.5g` or a plain byte count -> bytes (binary units)."""
+    if isinstance(value, bool):
+        raise EvictionConfigError(f"{_flag(key)} must be a size, got {value!r}")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise EvictionConfigError(
+                f"{_flag(key)} must be a size such as 8GiB, 512MiB or a byte count, "
+                f"got {value!r}")
+        number, unit = float(m.group(1)), m.group(2).lower()
+    size = int(number * _UNITS[unit])
+    if size <= 0:
+        raise EvictionConfigError(f"{_flag(key)} must be > 0, got {value!r}")
+    return size
+
+
+def _offload_settings(raw: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if raw.get("kv_swap_space") is not None:
+        out["swap_space"] = parse_bytes("kv_swap_space", raw["kv_swap_space"])
+    for key, lo, hi in (("kv_alpha", 0.0, math.inf), ("kv_prefetch", 0.0, 1.0),
+                        ("kv_partial", 0.0, 1.0)):
+        if raw.get(key) is None:
+            continue
+        try:
+            value = float(raw[key])
+        except (TypeError, ValueError):
+            raise EvictionConfigError(f"{_flag(key)} must be a number, got {raw[key]!r}") from None
+        if isinstance(raw[key], bool) or not (lo < value <= hi) or math.isnan(value):
+            raise EvictionConfigError(
+                f"{_flag(key)} must be in ({lo:g}, {hi:g}], got {raw[key]!r}")
+        out[key.removeprefix("kv_")] = value
+    victim = raw.get("kv_host_victim")
+    if victim is not None:
+        victim = str(victim).strip().lower()
+        if victim not in VICTIMS:
+            raise EvictionConfigError(
+                f"{_flag('kv_host_victim')}: unknown victim policy {raw['kv_host_victim']!r}; "
+                f"choose one of {', '.join(VICTIMS)}")
+        out["host_victim"] = victim
+    return out

@@ -7,6 +7,8 @@ just executes its plans, so both sides agree by construction.
     decode:        compact when P >= budget + block_size, back down to budget.
                    Compaction then runs once per block of new tokens, and a
                    request never holds more than budget + block_size tokens.
+    offload (InfiniGen): no compaction during prefill; decode as above, and
+                   the evicted tokens go to the host tier.
     chunked prefill: before each new prompt chunk, compact when P > budget, so a
                    prompt far longer than the budget never holds more than
                    budget + one chunk.
@@ -20,7 +22,9 @@ from vllm_kvevict.config import EvictionConfig
 def compaction_target(cfg: EvictionConfig, physical: int, logical: int,
                       in_prefill: bool, block_size: int) -> int | None:
     """New physical length if the request should be compacted now, else None."""
-    if not cfg.enabled:
+    if not cfg.enabled or (cfg.offload and in_prefill):
+        # Offload: the prompt is prefilled whole (every chunk attends every
+        # earlier prompt token, as in InfiniGen), then moves to the host tier.
         return None
     budget = cfg.budget_tokens(logical, block_size)
     limit = budget if in_prefill else budget + block_size - 1

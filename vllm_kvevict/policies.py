@@ -93,7 +93,7 @@ class WindowPolicy(H2OPolicy):
 def make_policy(name: str, sink: int = 4, window: int = 32) -> EvictionPolicy:
     if name == "h2o":
         return H2OPolicy()
-    if name == "streaming":
+    if name in ("streaming", "infinigen"):  # infinigen: sinks + recent stay resident
         return StreamingPolicy(sink)
     if name in WINDOW_POLICIES:
         return WindowPolicy(name, window)

@@ -52,7 +52,7 @@ class EvictableAttentionSpec(FullAttentionSpec):
         a pool smaller than max_model_len can still serve max_model_len."""
         full = super().max_memory_usage_bytes(vllm_config)
         cfg = self.eviction_config
-        if not isinstance(cfg.budget, int):
+        if not isinstance(cfg.budget, int) or cfg.offload:  # offload: prompts stay whole
             return full
         chunk = vllm_config.scheduler_config.max_num_batched_tokens
         peak = cfg.budget + self.block_size + chunk

@@ -1,0 +1,269 @@
+"""The host tier of InfiniGen offload, and its decode attention. vLLM-free.
+
+When a request compacts (planner.py), the tokens its resident policy drops go
+here instead of being lost. Compaction evicts the same number E of tokens from
+every (layer, KV head), so a request's host entries are numbered the same way
+everywhere: entry j of layer l, head h is the j-th token that head evicted.
+
+Storage (``HostTier``):
+  data         blocks of a :class:`~vllm_kvevict.host_pool.HostKVPool`, keyed
+               (request, layer, block); one block is (2, H, BS, D): K and V of
+               BS entries per KV head. Each offload starts a fresh block, so
+               entry j is block j // BS, offset j % BS; slots past E in the
+               last block are padding (``valid`` False). When the pool is full
+               its victim policy (counter / LRU / FIFO) drops a block: those
+               entries are gone, and selecting one later is a miss.
+  partial keys (L, H, n, C) float32 per request, the paper's partial key cache:
+               the first C channels of the skewed keys (skewing.py, packed),
+               kept beside the resident cache so speculation never reads the
+               host tier.
+
+Decode (``select_host_entries`` + ``attend_resident_and_host``), per layer
+and batch row, from the paper (sections 4.2-4.3) with one change: the query is
+the layer's own (post-RoPE) query, not a prediction from layer i-1's input
+(see integration/offload_attention.py for why):
+  1. partial logits q~[:C] . k~[:C] * scale of every token, resident and host;
+  2. count, per query head, the tokens above max - alpha; the mean count over
+     the heads, rounded up, is k for every head, capped at ``cap`` tokens;
+  3. each query head's top-k tokens; the host ones among them are fetched;
+  4. attention over the resident tokens + the fetched host entries.
+With alpha large and no cap every host entry comes back: attention is then
+over all tokens, and decoding equals a run that never offloaded.
+``infinigen_decode_reference`` is the same rule written for one row over the
+dense cache; tests hold the batched path to it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvevict.host_pool import HostKVPool
+from vllm_kvevict.skewing import skew_keys, skew_queries
+
+
+# ---------------------------------------------------------------------------
+# Decode math
+# ---------------------------------------------------------------------------
+
+def select_host_entries(qp: torch.Tensor, kp_res: torch.Tensor, res_len: torch.Tensor,
+                        kp_host: torch.Tensor, host_valid: torch.Tensor, alpha: float,
+                        cap: torch.Tensor, scale: float) -> torch.Tensor:
+    """Which host entries each query head needs.
+
+    qp:        (R, H_q, C) skewed partial queries
+    kp_res:    (R, H, S, C) skewed partial keys of the resident tokens
+    res_len:   (R,) resident tokens per row (the rest of S is padding)
+    kp_host:   (R, H, N, C) skewed partial keys of the host entries
+    host_valid:(R, N) bool, entries that exist (False: padding)
+    cap:       (R,) most tokens (resident + host) one head may select
+    returns    (R, H_q, K) int64 host entry indices, -1 where none
+    """
+    r, hq, c = qp.shape
+    h, s, n = kp_res.shape[1], kp_res.shape[2], kp_host.shape[2]
+    g = hq // h
+    q = qp.float().view(r, h, g, c)
+    lr = torch.matmul(q, kp_res.float().transpose(2, 3)).view(r, hq, s) * scale
+    lh = torch.matmul(q, kp_host.float().transpose(2, 3)).view(r, hq, n) * scale
+    lr = lr.masked_fill(~(torch.arange(s)[None] < res_len[:, None])[:, None], -math.inf)
+    lh = lh.masked_fill(~host_valid[:, None], -math.inf)
+    logits = torch.cat([lr, lh], dim=2)  # (R, H_q, S + N)
+    top = logits.max(dim=2, keepdim=True).values
+    counts = (logits > top - alpha).sum(dim=2).float().mean(dim=1).ceil().long()  # (R,)
+    total = res_len.long() + host_valid.sum(dim=1)
+    k = torch.minimum(torch.minimum(counts, cap.long()), total).clamp(min=1)
+    kmax = int(k.max()) if r else 0
+    idx = logits.topk(kmax, dim=2).indices  # (R, H_q, kmax), best first
+    keep = torch.arange(kmax)[None, None] < k[:, None, None]
+    return torch.where(keep & (idx >= s), idx - s, torch.full_like(idx, -1))
+
+
+def attend_resident_and_host(q: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor,
+                             res_len: torch.Tensor, k_host: torch.Tensor,
+                             v_host: torch.Tensor, host_mask: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """Softmax attention of one decode query per row over its resident tokens
+    and its own fetched host entries.
+
+    q: (R, H_q, D); k_res, v_res: (R, H, S, D) with res_len (R,) valid;
+    k_host, v_host: (R, H_q, K, D) per query head; host_mask: (R, H_q, K) bool.
+    returns (R, H_q, D) float32
+    """
+    r, hq, d = q.shape
+    h, s = k_res.shape[1], k_res.shape[2]
+    g = hq // h
+    qf = q.float()
+    lr = torch.matmul(qf.view(r, h, g, d), k_res.float().transpose(2, 3)).view(r, hq, s)
+    lr = lr.masked_fill(~(torch.arange(s)[None] < res_len[:, None])[:, None], -math.inf)
+    lh = (k_host.float() @ qf[..., None])[..., 0]  # (R, H_q, K)
+    lh = lh.masked_fill(~host_mask, -math.inf)
+    p = (torch.cat([lr, lh], dim=2) * scale).softmax(dim=2)
+    out = torch.matmul(p[..., :s].view(r, h, g, s), v_res.float()).view(r, hq, d)
+    return out + (p[..., s:, None] * v_host.float()).sum(dim=2)
+
+
+def infinigen_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               resident: torch.Tensor, a: torch.Tensor, num_partial: int,
+                               alpha: float, cap: int, scale: float) -> torch.Tensor:
+    """InfiniGen's decode attention for one query over a dense cache, plainly.
+
+    q: (H_q, D) post-RoPE query; k, v: (H, N, D) every token of the request;
+    resident: (H, N) bool, the tokens still on the device (the others are in
+    the host tier, all of them present); a: (H, D, D) packed skewing.
+    Per query head: partial logits of all N tokens; count those above its max
+    - alpha; k = ceil(mean count over heads), at most cap; the head attends its
+    resident tokens and those of its top-k that are not resident.
+    returns (H_q, D) float32
+    """
+    hq, d = q.shape
+    h, n, _ = k.shape
+    g = hq // h
+    qp = skew_queries(q.float()[:, None, :], a.float())[:, 0, :num_partial]  # (H_q, C)
+    kp = skew_keys(k.float(), a.float())[..., :num_partial]  # (H, N, C)
+    out = torch.empty(hq, d)
+    logits = [qp[head] @ kp[head // g].T * scale for head in range(hq)]
+    counts = [int((lg > lg.max() - alpha).sum()) for lg in logits]
+    kk = max(1, min(math.ceil(sum(counts) / hq), cap, n))
+    for head in range(hq):
+        kv = head // g
+        seen = resident[kv].clone()
+        seen[logits[head].topk(kk).indices] = True
+        w = ((k[kv, seen].float() @ q[head].float()) * scale).softmax(0)
+        out[head] = w @ v[kv, seen].float()
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The host tier
+# ---------------------------------------------------------------------------
+
+@dataclass
+class TransferStats:
+    """Traffic of the host tier since creation, token-granular."""
+
+    entries_offloaded: int = 0   # (layer, head, token) entries written to the host
+    entries_fetched: int = 0     # (layer, KV head, token) entries brought back
+    entries_missed: int = 0      # selected entries whose block the pool had dropped
+    bytes_offloaded: int = 0
+    bytes_fetched: int = 0
+    fetch_steps: int = 0         # (layer, row) speculations
+    attended_tokens: int = 0     # sum over (layer, row, query head) of tokens attended
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Request:
+    valid: torch.Tensor                 # (n,) bool: an entry, not block padding
+    partial: torch.Tensor               # (L, H, n, C) float32 partial skewed keys
+    blocks: int = 0                     # host blocks per layer
+
+
+class HostTier:
+    """Host entries of every offloading request of one worker.
+
+    a: (L, H, D, D) packed skewing of this worker's KV heads; C partial channels.
+    capacity: host blocks in the pool (all layers together).
+    """
+
+    def __init__(self, capacity: int, victim: str, a: torch.Tensor, num_partial: int,
+                 block_size: int, dtype: torch.dtype, pin_memory: bool = False) -> None:
+        self.a = a.float()
+        self.c = num_partial
+        self.block_size = block_size
+        num_layers, h, d, _ = a.shape
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, h, d
+        self.pool = HostKVPool(capacity, victim, block_shape=(2, h, block_size, d),
+                               dtype=dtype, pin_memory=pin_memory)
+        self.entry_bytes = 2 * d * self.pool.slab.element_size()  # K + V of one head
+        self.requests: dict[str, _Request] = {}
+        self.stats = TransferStats()
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.requests
+
+    def num_entries(self, req_id: str) -> int:
+        st = self.requests.get(req_id)
+        return 0 if st is None else int(st.valid.sum())
+
+    def offload(self, req_id: str, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append E evicted entries per (layer, head): k, v (L, H, E, D)."""
+        num_layers, h, e, d = k.shape
+        bs = self.block_size
+        nblk = -(-e // bs)
+        st = self.requests.get(req_id)
+        if st is None:
+            st = self.requests[req_id] = _Request(
+                torch.zeros(0, dtype=torch.bool),
+                torch.zeros(num_layers, h, 0, self.c))
+        pad = nblk * bs - e
+        kpad = torch.nn.functional.pad(k, (0, 0, 0, pad))
+        vpad = torch.nn.functional.pad(v, (0, 0, 0, pad))
+        data = torch.stack([kpad, vpad], dim=1).view(num_layers, 2, h, nblk, bs, d)
+        for layer in range(num_layers):
+            for b in range(nblk):
+                self.pool.insert((req_id, layer, st.blocks + b), data[layer, :, :, b])
+        st.blocks += nblk
+        kp = (k.float() @ self.a[:num_layers])[..., :self.c]  # skew_keys per layer
+        st.partial = torch.cat([st.partial, torch.nn.functional.pad(kp, (0, 0, 0, pad))], dim=2)
+        st.valid = torch.cat([st.valid, torch.arange(nblk * bs) < e])
+        self.stats.entries_offloaded += num_layers * h * e
+        self.stats.bytes_offloaded += num_layers * h * e * self.entry_bytes
+
+    def fetch(self, req_ids: list[str], layer: int, sel: torch.Tensor,
+              group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Bring the selected entries of one layer back.
+
+        sel: (R, H_q, K) host entry indices (-1: none); group: query heads per
+        KV head. Returns k, v (R, H_q, K, D) and mask (R, H_q, K): False where
+        nothing was selected or the pool had dropped the entry's block.
+        """
+        r, hq, kk = sel.shape
+        bs = self.block_size
+        slot = torch.full((r, hq, kk), -1, dtype=torch.int64)
+        for i, req_id in enumerate(req_ids):
+            blocks = (sel[i][sel[i] >= 0] // bs).unique().tolist()
+            got = self.pool.prefetch([(req_id, layer, b) for b in blocks])
+            where = torch.full((max(blocks, default=0) + 1,), -1, dtype=torch.int64)
+            for key, s in zip(got.hits, got.slots.tolist()):
+                where[key[2]] = s
+            chosen = sel[i] >= 0
+            slot[i][chosen] = where[sel[i][chosen] // bs]
+        mask = slot >= 0
+        kv_head = (torch.arange(hq) // group)[None, :, None].expand(r, hq, kk)
+        safe = slot.clamp(min=0)
+        off = sel.clamp(min=0) % bs
+        slab = self.pool.slab
+        k, v = slab[safe, 0, kv_head, off], slab[safe, 1, kv_head, off]
+        # Traffic: one copy per distinct (row, KV head, entry); the query heads
+        # of a GQA group share it.
+        unique = torch.unique(torch.stack([
+            torch.arange(r)[:, None, None].expand_as(sel), kv_head, sel], -1)[mask], dim=0)
+        missed = torch.unique(torch.stack([
+            torch.arange(r)[:, None, None].expand_as(sel), kv_head, sel], -1)[
+            (sel >= 0) & ~mask], dim=0)
+        self.stats.entries_fetched += unique.shape[0]
+        self.stats.entries_missed += missed.shape[0]
+        self.stats.bytes_fetched += unique.shape[0] * self.entry_bytes
+        self.stats.fetch_steps += r
+        return k, v, mask
+
+    def partial_keys(self, req_ids: list[str], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(R, H, N, C) partial keys of one layer and (R, N) validity, padded to
+        the longest row."""
+        n = max(self.requests[r].valid.shape[0] for r in req_ids)
+        kp = torch.zeros(len(req_ids), self.num_kv_heads, n, self.c)
+        valid = torch.zeros(len(req_ids), n, dtype=torch.bool)
+        for i, r in enumerate(req_ids):
+            st = self.requests[r]
+            m = st.valid.shape[0]
+            kp[i, :, :m] = st.partial[layer]
+            valid[i, :m] = st.valid
+        return kp, valid
+
+    def free(self, req_id: str) -> int:
+        """Drop a request's host entries (finished, aborted, preempted)."""
+        self.requests.pop(req_id, None)
+        return self.pool.free_request(req_id)
