@@ -34,6 +34,7 @@ from vllm_kvevict.integration.attention_common import (
     score_step,
     write_kv,
 )
+from vllm_kvevict.integration.offload_attention import host_decode
 from vllm_kvevict.integration.worker import init_worker_state, worker_state
 from vllm_kvevict.kv_layout import KVLayout
 
@@ -78,8 +79,12 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
         write_kv(self, layer, key, value, kv_cache, attn_metadata)
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata,
                               output, output_scale, output_block_scale)
-        score_step(self, layer, query, kv_cache, attn_metadata,
-                   lambda kv: KVLayout.for_cache(kv, layer.isa))
+        make_layout = lambda kv: KVLayout.for_cache(kv, layer.isa)  # noqa: E731
+        score_step(self, layer, query, kv_cache, attn_metadata, make_layout)
+        state = worker_state()
+        if state is not None and state.cfg.offload and state.host is not None:
+            lc = state.layer(layer.layer_name, kv_cache, make_layout)
+            host_decode(state, layer, query, kv_cache, attn_metadata, output, lc.layout)
         return out
 
 

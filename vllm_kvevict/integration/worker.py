@@ -26,6 +26,7 @@ from vllm_kvevict.compaction import compact, move_scores
 from vllm_kvevict.config import EvictionConfig
 from vllm_kvevict.integration.decode_log import DecodeQueryLog, StepPlacement
 from vllm_kvevict.integration.metrics import Snapshot
+from vllm_kvevict.integration.offload_attention import evicted_entries, host_tier
 from vllm_kvevict.integration.plans import STEP_ATTR, CompactionPlan, EvictionStep
 from vllm_kvevict.integration.query_window import QueryWindow
 from vllm_kvevict.kernels import triton_module, use_triton
@@ -106,6 +107,8 @@ class WorkerEviction:
         self._step_open = False  # a begin_step not yet matched by place_queries
         self.compaction_seconds = 0.0
         self._snapshot: Snapshot | None = None
+        self.model_dir: str | None = None  # for the skewing of offload (set at init)
+        self.host = None  # HostTier (offload_attention.host_tier), made on first use
 
     # --- registration ---------------------------------------------------------
 
@@ -142,6 +145,9 @@ class WorkerEviction:
             log.drop(scheduler_output.finished_req_ids)
         self.unscored.difference_update(step.released)
         self.unscored.difference_update(scheduler_output.finished_req_ids)
+        if self.host is not None:  # both tiers go together
+            for req_id in (*step.released, *scheduler_output.finished_req_ids):
+                self.host.free(req_id)
         self.unscored.update(step.unscored)
         self.decode_log.flush([p.req_id for p in step.plans], self.layers, self._block_ids)
         if step.plans:
@@ -230,6 +236,7 @@ class WorkerEviction:
         keep_recent = plan.recent
         logical = self._logical_positions(self.kept.get(plan.req_id), plan)
         kept_positions = []
+        evicted_kv = []  # offload: (k, v) per stack, (L, H, E, D)
         first = 0
         for st in self._stacks():
             # Row l of every tensor below is layer `first + l` of this stack.
@@ -248,6 +255,12 @@ class WorkerEviction:
             keep = self.policy.select(scores.reshape(num_layers * h, -1), plan.new_len,
                                       keep_recent).view(num_layers, h, plan.new_len)
             dst_rows = dst_blocks[None] + layer * st.num_blocks  # (L, n_dst)
+            if self.cfg.offload:  # read what is dropped before the kept tokens overwrite it
+                if gathered is None:
+                    gathered = (st.layout.gather_keys(kc, src_rows, src_rows.shape[1]),
+                                st.layout.gather_values(vc, src_rows, src_rows.shape[1]))
+                evicted_kv.append(evicted_entries(
+                    keep, gathered[0][:, :, :plan.old_len], gathered[1][:, :, :plan.old_len]))
             if use_triton(kc, st.layout):  # K, V and scores moved in place, in one kernel
                 triton_module("compaction").compact_in_place(
                     kc, vc, st.scores if self.policy.needs_scores else None, src_slots,
@@ -262,6 +275,10 @@ class WorkerEviction:
                        else logical.expand(num_layers, h, -1))
                 kept_positions.append(pos.gather(2, keep.to(pos.device)))
             first += num_layers
+        if evicted_kv:
+            tier = host_tier(self, self._stacks()[0].layout, evicted_kv[0][0].dtype)
+            tier.offload(plan.req_id, torch.cat([k for k, _ in evicted_kv]),
+                         torch.cat([v for _, v in evicted_kv]))
         self.query_window.compacted(plan.req_id, keep_recent)
         if self.record_kept:
             self.kept[plan.req_id] = KeptRecord(torch.cat(kept_positions), plan.logical_len)
@@ -327,6 +344,8 @@ def init_worker_state(vllm_config, cfg: EvictionConfig, block_size: int) -> None
         return
     _OWNER = vllm_config
     _STATE = WorkerEviction(cfg, block_size) if cfg.enabled else None
+    if _STATE is not None:
+        _STATE.model_dir = vllm_config.model_config.model
 
 
 def worker_state() -> WorkerEviction | None:

@@ -1,0 +1,115 @@
+"""Worker side of InfiniGen offload: the host tier wired into compaction and
+decode attention (the vLLM-free parts are in vllm_kvevict/offload.py).
+
+  evicted_entries  at compaction, the K/V of the tokens the resident policy
+                   drops, gathered before the kept ones overwrite them
+  host_tier        the worker's HostTier, made on first use: the model's
+                   skewing (skewing.load_or_compute, cached on disk), this
+                   rank's KV heads, a pool of --kv-swap-space bytes
+  host_decode      after the stock kernel has attended the resident cache,
+                   decode rows of requests with host entries are attended
+                   again over resident + fetched host entries, and replace
+                   the stock rows
+
+Speculation uses the layer's own query, not the paper's prediction from layer
+i-1's attention input. Measured on SmolLM2-135M (results/infinigen/dense.md),
+the cross-layer prediction is where InfiniGen loses quality there (perplexity
+81.9 vs 45.7 with the own query, full cache 44.0). On CPU both tiers are host
+memory, so there is no transfer for the prediction to hide. vLLM's KV-connector
+hooks (wait_for_layer_load before a layer) run before the layer's query exists,
+so this path does not go through them; a GPU build that overlaps the copy with
+layer i-1 would.
+"""
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+
+from vllm_kvevict.offload import HostTier, decode_attention
+
+logger = logging.getLogger("vllm_kvevict")
+
+
+def layer_index(name: str) -> int:
+    """'model.layers.7.self_attn.attn' -> 7."""
+    m = re.search(r"\.(\d+)\.", name)
+    if m is None:
+        raise ValueError(f"cannot tell the layer index of {name!r}")
+    return int(m.group(1))
+
+
+def host_tier(state, layout, dtype: torch.dtype) -> HostTier:
+    """The worker's host tier, made on first use."""
+    if state.host is None:
+        from vllm_kvevict import skewing
+
+        cfg = state.cfg
+        sk = skewing.load_or_compute(state.model_dir, fraction=cfg.partial).packed()
+        h_total, h = sk.num_kv_heads, layout.num_kv_heads
+        first = (_tp_rank() * h) % h_total  # this rank's KV heads
+        a = sk.a[:, first:first + h]
+        block_bytes = 2 * h * layout.block_size * layout.head_size * dtype.itemsize
+        capacity = max(1, cfg.swap_bytes // (block_bytes * sk.num_layers) * sk.num_layers)
+        state.host = HostTier(capacity, cfg.host_victim, a, sk.num_partial, layout.block_size,
+                              dtype, pin_memory=torch.cuda.is_available())
+        logger.info("vllm_kvevict: host tier of %d blocks (%.2f GiB), %d partial channels",
+                    capacity, capacity * block_bytes / 2**30, sk.num_partial)
+    return state.host
+
+
+def evicted_entries(keep: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """The tokens compaction drops. keep: (L, H, new_len) kept indices into the
+    old tokens; k, v: (L, H, old_len, D). Returns k, v (L, H, E, D), E =
+    old_len - new_len, in old order."""
+    num_layers, h, old_len, d = k.shape
+    dropped = torch.ones(num_layers, h, old_len, dtype=torch.bool)
+    dropped.scatter_(2, keep.cpu(), False)
+    idx = torch.arange(old_len).expand(num_layers, h, -1)[dropped].view(num_layers, h, -1)
+    idx = idx.to(k.device)[..., None].expand(-1, -1, -1, d)
+    return k.gather(2, idx), v.gather(2, idx)
+
+
+def host_decode(state, layer, query, kv_cache, attn_metadata, output, layout) -> None:
+    """Replace the output rows of decode requests that have host entries."""
+    host = state.host
+    if host is None or not host.requests or state.runner is None:
+        return
+    qsl = attn_metadata.query_start_loc.cpu()
+    num_reqs = qsl.shape[0] - 1
+    req_ids = state.runner.input_batch.req_ids[:num_reqs]
+    rows = [i for i, r in enumerate(req_ids)
+            if r in host.requests and int(qsl[i + 1] - qsl[i]) == 1]
+    if not rows:
+        return
+    rows_t = torch.tensor(rows)
+    tokens = qsl[rows_t].long()
+    seq = attn_metadata.seq_lens[: num_reqs].cpu()[rows_t]
+    nblk = -(-int(seq.max()) // layout.block_size)
+    key_cache, value_cache = layout.split(kv_cache)
+    table = attn_metadata.block_table[rows_t.to(attn_metadata.block_table.device)]
+    k_res = layout.gather_keys(key_cache, table, nblk)
+    v_res = layout.gather_values(value_cache, table, nblk)
+    ids = [req_ids[i] for i in rows]
+    total = torch.tensor([int(s) + host.num_entries(r) for s, r in zip(seq.tolist(), ids)])
+    cap = (total.float() * state.cfg.prefetch).ceil().long()
+    hq, d = query.shape[1], query.shape[2]
+    out = decode_attention(host, ids, layer_index(layer.layer_name), query[tokens], k_res,
+                           v_res, seq, state.cfg.alpha, cap, _scale(layer, d))
+    output.view(-1, hq, d)[tokens] = out.to(output.dtype)
+
+
+def _scale(layer, head_dim: int) -> float:
+    impl = getattr(layer, "impl", None)
+    return float(getattr(impl, "scale", head_dim ** -0.5))
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except Exception:  # no parallel groups (unit tests): one rank
+        return 0
+
