@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_kvevict.config import FLAGS, EvictionConfig, POLICIES
+from vllm_kvevict.config import FLAGS, POLICIES, VICTIMS, EvictionConfig
 
 from . import mark_patched
 
@@ -24,7 +24,9 @@ _HELP = {
     "kv_eviction": "KV cache eviction policy: h2o (heavy hitters by accumulated attention "
                    "+ recent window), streaming (attention sinks + recent window), snapkv "
                    "or andpro (tokens scored by the attention, or the value projection on "
-                   "the output, of the last --kv-window queries). Default: none.",
+                   "the output, of the last --kv-window queries), infinigen (sinks + recent "
+                   "window resident, the rest offloaded to a host pool and fetched back "
+                   "when a decode query is predicted to need it). Default: none.",
     "kv_budget": "Resident KV tokens per request: a token count (e.g. 256) or a "
                  "fraction of the request's length (e.g. 0.2). Default: 1024.",
     "kv_recent": "Recent-window size inside the budget, in the budget's unit "
@@ -33,6 +35,18 @@ _HELP = {
     "kv_sink": "Attention-sink tokens always kept by the streaming policy. Default: 4.",
     "kv_window": "Observation window of snapkv and andpro: how many of the latest "
                  "queries score the cache at each compaction. Default: 32.",
+    "kv_swap_space": "Host memory pool for offloaded KV per worker (e.g. 8GiB, 512MiB). "
+                     "With h2o/andpro/snapkv/streaming it turns offload on: evicted KV "
+                     "goes to the pool instead of being dropped. Default: 4GiB under "
+                     "infinigen, else no offload.",
+    "kv_alpha": "Offload: fetch the host entries whose partial attention logit is "
+                "above max - alpha (InfiniGen's threshold). Default: 4.",
+    "kv_prefetch": "Offload: at most this fraction of a request's tokens attended per "
+                   "decode step (InfiniGen's 20%% cap). Default: 0.2.",
+    "kv_partial": "Offload: fraction of the head dimension in the skewed partial "
+                  "query/key that predicts attention. Default: 0.3.",
+    "kv_host_victim": "Offload: which block the full host pool drops: counter "
+                      "(InfiniGen), lru or fifo. Default: counter.",
 }
 
 
@@ -49,7 +63,8 @@ def apply() -> None:
             # SUPPRESS: an unset flag leaves additional_config alone, and --help
             # shows the real default from the text instead of "(default: None)".
             group.add_argument(flag, dest=key, default=argparse.SUPPRESS, help=_HELP[key],
-                               **({"choices": POLICIES} if key == "kv_eviction" else {}))
+                               **({"choices": POLICIES} if key == "kv_eviction" else
+                                  {"choices": VICTIMS} if key == "kv_host_victim" else {}))
         return parser
 
     def from_cli_args(cls, args):

@@ -47,7 +47,11 @@ def test_help_shows_each_flag_with_its_default(parser, capsys):
     text = capsys.readouterr().out
     for flag, default in (("--kv-eviction", "Default: none."), ("--kv-budget", "Default: 1024."),
                           ("--kv-recent", "Default: half the budget;"),
-                          ("--kv-sink", "Default: 4."), ("--kv-window", "Default: 32.")):
+                          ("--kv-sink", "Default: 4."), ("--kv-window", "Default: 32."),
+                          ("--kv-swap-space", "Default: 4GiB under infinigen"),
+                          ("--kv-alpha", "Default: 4."), ("--kv-prefetch", "Default: 0.2."),
+                          ("--kv-partial", "Default: 0.3."),
+                          ("--kv-host-victim", "Default: counter.")):
         start = text.index(f"\n  {flag} ")
         entry = " ".join(text[start:start + 1000].split("\n  --")[1].split())
         assert default in entry and "(default: None)" not in entry, entry

@@ -15,6 +15,15 @@ from vllm_kvevict.config import EvictionConfig, EvictionConfigError
     ({"kv_eviction": "h2o", "kv_budget": 256, "kv_recent": 0.1}, "--kv-recent"),
     ({"kv_eviction": "h2o", "kv_budget": 256, "kv_recent": "x"}, "--kv-recent"),
     ({"kv_eviction": "streaming", "kv_budget": 4, "kv_sink": 4}, "--kv-sink"),
+    ({"kv_swap_space": "4GiB"}, "--kv-swap-space.*needs an eviction policy"),
+    ({"kv_eviction": "infinigen", "kv_swap_space": "lots"}, "--kv-swap-space"),
+    ({"kv_eviction": "infinigen", "kv_swap_space": "4 parsecs"}, "--kv-swap-space"),
+    ({"kv_eviction": "infinigen", "kv_swap_space": 0}, "--kv-swap-space"),
+    ({"kv_eviction": "infinigen", "kv_alpha": 0}, "--kv-alpha"),
+    ({"kv_eviction": "infinigen", "kv_alpha": "x"}, "--kv-alpha"),
+    ({"kv_eviction": "infinigen", "kv_prefetch": 1.5}, "--kv-prefetch"),
+    ({"kv_eviction": "infinigen", "kv_partial": 0}, "--kv-partial"),
+    ({"kv_eviction": "infinigen", "kv_host_victim": "random"}, "--kv-host-victim"),
 ])
 def test_bad_values_name_their_flag(raw, flag):
     with pytest.raises(EvictionConfigError, match=flag):
@@ -51,3 +60,21 @@ def test_window_policies_keep_their_window_while_it_fits():
     # h2o is unaffected by the window setting.
     assert EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 256}
                                     ).recent_tokens(256, 1000) == 128
+
+
+def test_offload_settings():
+    ig = EvictionConfig.from_dict({"kv_eviction": "infinigen"})
+    assert ig.offload and ig.swap_bytes == 4 << 30 and ig.resident_policy == "streaming"
+    assert (ig.alpha, ig.prefetch, ig.partial, ig.host_victim) == (4.0, 0.2, 0.3, "counter")
+    h2o = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_swap_space": "512MiB",
+                                    "kv_host_victim": "LRU", "kv_alpha": "5"})
+    assert h2o.offload and h2o.swap_bytes == 512 << 20 and h2o.resident_policy == "h2o"
+    assert (h2o.host_victim, h2o.alpha) == ("lru", 5.0)
+    assert EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_swap_space": "1.5g"}
+                                    ).swap_bytes == 3 << 29
+    assert not EvictionConfig.from_dict({"kv_eviction": "h2o"}).offload
+    for cfg in (ig, h2o):
+        assert EvictionConfig.from_dict(cfg.to_dict()) == EvictionConfig.from_dict(
+            EvictionConfig.from_dict(cfg.to_dict()).to_dict())
+    # Without offload the dict (and the spec hash) has the keys it always had.
+    assert "kv_swap_space" not in EvictionConfig.from_dict({"kv_eviction": "h2o"}).to_dict()
