@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_kvevict.config import FLAGS, POLICIES, VICTIMS, EvictionConfig
+from vllm_kvevict.config import FLAGS, POLICIES, VICTIMS, EvictionConfig, EvictionConfigError
 
 from . import mark_patched
 
@@ -79,6 +79,15 @@ def apply() -> None:
         from vllm_kvevict.integration.select import select_attention_backend
 
         cfg = EvictionConfig.from_dict(self.additional_config or {})
+        if cfg.offload:
+            from vllm.platforms import current_platform
+
+            if not current_platform.is_cpu():
+                # Offload's decode path (integration/offload_attention.py) is
+                # wired into the CPU backend only; refusing beats silently dropping.
+                raise EvictionConfigError(
+                    "--kv-eviction infinigen / --kv-swap-space: KV offload runs on the "
+                    "CPU backend only in this release")
         select_attention_backend(self, cfg)
         vllm_config = create_engine_config.__kvevict_original__(self, *args, **kwargs)
         if cfg.enabled:

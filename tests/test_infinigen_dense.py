@@ -34,6 +34,8 @@ def run(smol):
         ev.InfiniGen(10 ** 6, skew, alpha=1e9, name="infinigen-all"),  # nothing left out
         ev.H2O(BUDGET),
         ev.InfiniGen(BUDGET, skew, alpha=4.0, block_size=BS, trace=True),
+        ev.Offload(BUDGET, skew, alpha=math.inf, cap=1.0, block=BS),  # the plugin's rule
+        ev.Offload(BUDGET, skew, block=BS),
     ]
     nll = ev.DenseRun(model, rows).run(ids)
     return model, ids, rows, nll, offloaded
@@ -57,6 +59,15 @@ def test_unbounded_infinigen_equals_the_full_cache(run):
     assert not s["binding"]
     # every past token selected: t at steps t = 1 .. T - 2, (T - 1) / 2 on average
     assert s["selected"][1:] == pytest.approx([(TOKENS - 1) / 2] * 29)
+
+
+def test_the_plugins_rule_fetching_everything_equals_the_full_cache(run):
+    """Offload (resident sinks + recent, the rest on the host): with alpha = inf
+    and no cap every host token comes back, so the perplexity is the full
+    cache's; with the defaults it is not (something was left on the host)."""
+    _, _, rows, nll, _ = run
+    torch.testing.assert_close(nll[4], nll[0], rtol=1e-4, atol=1e-4)
+    assert torch.isfinite(nll[5]).all() and not torch.allclose(nll[5], nll[0], atol=1e-3)
 
 
 def test_budgeted_methods_respect_the_budget_and_lose_little(run):

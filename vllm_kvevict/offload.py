@@ -47,36 +47,38 @@ from vllm_kvevict.skewing import skew_keys, skew_queries
 # Decode math
 # ---------------------------------------------------------------------------
 
-def select_host_entries(qp: torch.Tensor, kp_res: torch.Tensor, res_len: torch.Tensor,
-                        kp_host: torch.Tensor, host_valid: torch.Tensor, alpha: float,
-                        cap: torch.Tensor, scale: float) -> torch.Tensor:
-    """Which host entries each query head needs.
-
-    qp:        (R, H_q, C) skewed partial queries
-    kp_res:    (R, H, S, C) skewed partial keys of the resident tokens
-    res_len:   (R,) resident tokens per row (the rest of S is padding)
-    kp_host:   (R, H, N, C) skewed partial keys of the host entries
-    host_valid:(R, N) bool, entries that exist (False: padding)
-    cap:       (R,) most tokens (resident + host) one head may select
-    returns    (R, H_q, K) int64 host entry indices, -1 where none
-    """
+def partial_logits(qp: torch.Tensor, kp: torch.Tensor, scale: float) -> torch.Tensor:
+    """qp (R, H_q, C) . kp (R, H, N, C) -> (R, H_q, N) float32, GQA by head groups."""
     r, hq, c = qp.shape
-    h, s, n = kp_res.shape[1], kp_res.shape[2], kp_host.shape[2]
-    g = hq // h
-    q = qp.float().view(r, h, g, c)
-    lr = torch.matmul(q, kp_res.float().transpose(2, 3)).view(r, hq, s) * scale
-    lh = torch.matmul(q, kp_host.float().transpose(2, 3)).view(r, hq, n) * scale
-    lr = lr.masked_fill(~(torch.arange(s)[None] < res_len[:, None])[:, None], -math.inf)
-    lh = lh.masked_fill(~host_valid[:, None], -math.inf)
-    logits = torch.cat([lr, lh], dim=2)  # (R, H_q, S + N)
+    h, n = kp.shape[1], kp.shape[2]
+    return torch.matmul(qp.float().view(r, h, hq // h, c),
+                        kp.float().transpose(2, 3)).view(r, hq, n) * scale
+
+
+def select_host_entries(logits_res: torch.Tensor, logits_host: torch.Tensor,
+                        cap: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Which host entries each query head needs (steps 2-3 above).
+
+    logits_res: (R, H_q, S) partial logits of the resident tokens, -inf on padding
+    logits_host:(R, H_q, N) partial logits of the host entries, -inf on padding
+    cap:        (R,) most tokens (resident + host) one head may select
+    returns     (R, H_q, K) int64 host entry indices, -1 where none
+    """
+    s = logits_res.shape[2]
+    logits = torch.cat([logits_res, logits_host], dim=2)
     top = logits.max(dim=2, keepdim=True).values
     counts = (logits > top - alpha).sum(dim=2).float().mean(dim=1).ceil().long()  # (R,)
-    total = res_len.long() + host_valid.sum(dim=1)
+    total = torch.isfinite(logits[:, 0]).sum(dim=1)
     k = torch.minimum(torch.minimum(counts, cap.long()), total).clamp(min=1)
-    kmax = int(k.max()) if r else 0
+    kmax = int(k.max()) if k.numel() else 0
     idx = logits.topk(kmax, dim=2).indices  # (R, H_q, kmax), best first
     keep = torch.arange(kmax)[None, None] < k[:, None, None]
     return torch.where(keep & (idx >= s), idx - s, torch.full_like(idx, -1))
+
+
+def _padding_mask(lengths: torch.Tensor, n: int) -> torch.Tensor:
+    """(R,) lengths -> (R, 1, n) True on padding."""
+    return ~(torch.arange(n)[None] < lengths[:, None])[:, None]
 
 
 def attend_resident_and_host(q: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor,
@@ -95,12 +97,41 @@ def attend_resident_and_host(q: torch.Tensor, k_res: torch.Tensor, v_res: torch.
     g = hq // h
     qf = q.float()
     lr = torch.matmul(qf.view(r, h, g, d), k_res.float().transpose(2, 3)).view(r, hq, s)
-    lr = lr.masked_fill(~(torch.arange(s)[None] < res_len[:, None])[:, None], -math.inf)
+    lr = lr.masked_fill(_padding_mask(res_len, s), -math.inf)
     lh = (k_host.float() @ qf[..., None])[..., 0]  # (R, H_q, K)
     lh = lh.masked_fill(~host_mask, -math.inf)
     p = (torch.cat([lr, lh], dim=2) * scale).softmax(dim=2)
     out = torch.matmul(p[..., :s].view(r, h, g, s), v_res.float()).view(r, hq, d)
     return out + (p[..., s:, None] * v_host.float()).sum(dim=2)
+
+
+def decode_attention(tier: "HostTier", req_ids: list[str], layer: int, q: torch.Tensor,
+                     k_res: torch.Tensor, v_res: torch.Tensor, res_len: torch.Tensor,
+                     alpha: float, cap: torch.Tensor, scale: float) -> torch.Tensor:
+    """Steps 1-4 for R decode rows of one layer, every row with host entries.
+
+    q: (R, H_q, D) post-RoPE queries; k_res, v_res: (R, H, S, D) the resident
+    cache (res_len (R,) valid, the current token included); cap: (R,) tokens.
+    returns (R, H_q, D) float32
+
+    The resident partial logits use q~_C . k~_C = q (A_C A_C^T) k^T: one
+    (D x D) product per query head instead of skewing every resident key.
+    """
+    r, hq, d = q.shape
+    h = k_res.shape[1]
+    g = hq // h
+    a = tier.a[layer]  # (H, D, D) packed: the partial channels are the first C
+    a_c = a[:, :, :tier.c].repeat_interleave(g, dim=0)  # (H_q, D, C)
+    qp = (q.float()[:, :, None, :] @ a_c)[:, :, 0]  # (R, H_q, C)
+    qm = (qp[:, :, None, :] @ a_c.transpose(1, 2))[:, :, 0]  # q A_C A_C^T, (R, H_q, D)
+    lr = partial_logits(qm, k_res, scale).masked_fill(_padding_mask(res_len, k_res.shape[2]),
+                                                      -math.inf)
+    kp_host, valid = tier.partial_keys(req_ids, layer)
+    lh = partial_logits(qp, kp_host, scale).masked_fill(~valid[:, None], -math.inf)
+    sel = select_host_entries(lr, lh, cap, alpha)
+    k_host, v_host, mask = tier.fetch(req_ids, layer, sel, g)
+    tier.stats.attended_tokens += int(res_len.sum()) * hq + int(mask.sum())
+    return attend_resident_and_host(q, k_res, v_res, res_len, k_host, v_host, mask, scale)
 
 
 def infinigen_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -222,31 +253,42 @@ class HostTier:
         """
         r, hq, kk = sel.shape
         bs = self.block_size
-        slot = torch.full((r, hq, kk), -1, dtype=torch.int64)
+        chosen = sel >= 0
+        block = sel.clamp(min=0) // bs
+        nb = int(block.max()) + 1 if sel.numel() else 1
+        wanted = torch.zeros(r, nb, dtype=torch.bool)
+        wanted[torch.arange(r)[:, None, None].expand_as(sel)[chosen], block[chosen]] = True
+        where = torch.full((r, nb), -1, dtype=torch.int64)  # (row, block) -> slab slot
         for i, req_id in enumerate(req_ids):
-            blocks = (sel[i][sel[i] >= 0] // bs).unique().tolist()
-            got = self.pool.prefetch([(req_id, layer, b) for b in blocks])
-            where = torch.full((max(blocks, default=0) + 1,), -1, dtype=torch.int64)
-            for key, s in zip(got.hits, got.slots.tolist()):
-                where[key[2]] = s
-            chosen = sel[i] >= 0
-            slot[i][chosen] = where[sel[i][chosen] // bs]
+            blocks = torch.nonzero(wanted[i])[:, 0].tolist()
+            got = self.pool.prefetch([(req_id, layer, b) for b in blocks])  # counters, LRU
+            if got.hits:
+                where[i, [key[2] for key in got.hits]] = got.slots
+        slot = torch.where(chosen, where.gather(1, block.view(r, -1)).view_as(sel), -1)
         mask = slot >= 0
-        kv_head = (torch.arange(hq) // group)[None, :, None].expand(r, hq, kk)
-        safe = slot.clamp(min=0)
+        kv_head = (torch.arange(hq) // group)[None, :, None]
         off = sel.clamp(min=0) % bs
+        # One index_select per tensor over the slab seen as rows of D:
+        # row ((slot * 2 + kv) * H + head) * BS + offset.
         slab = self.pool.slab
-        k, v = slab[safe, 0, kv_head, off], slab[safe, 1, kv_head, off]
+        h, d = slab.shape[2], slab.shape[-1]
+        base = (slot.clamp(min=0) * 2 * h + kv_head) * bs + off  # K rows; V is h * bs further
+        rows = slab.view(-1, d)
+        k = rows.index_select(0, base.flatten()).view(r, hq, kk, d)
+        v = rows.index_select(0, (base + h * bs).flatten()).view(r, hq, kk, d)
         # Traffic: one copy per distinct (row, KV head, entry); the query heads
         # of a GQA group share it.
-        unique = torch.unique(torch.stack([
-            torch.arange(r)[:, None, None].expand_as(sel), kv_head, sel], -1)[mask], dim=0)
-        missed = torch.unique(torch.stack([
-            torch.arange(r)[:, None, None].expand_as(sel), kv_head, sel], -1)[
-            (sel >= 0) & ~mask], dim=0)
-        self.stats.entries_fetched += unique.shape[0]
-        self.stats.entries_missed += missed.shape[0]
-        self.stats.bytes_fetched += unique.shape[0] * self.entry_bytes
+        n = int(sel.max()) + 1 if sel.numel() else 1
+        fetched = torch.zeros(r, h, n, dtype=torch.bool)
+        missed = torch.zeros(r, h, n, dtype=torch.bool)
+        row = torch.arange(r)[:, None, None].expand_as(sel)
+        head = kv_head.expand_as(sel)
+        fetched[row[mask], head[mask], sel[mask]] = True
+        lost = (sel >= 0) & ~mask
+        missed[row[lost], head[lost], sel[lost]] = True
+        self.stats.entries_fetched += int(fetched.sum())
+        self.stats.entries_missed += int(missed.sum())
+        self.stats.bytes_fetched += int(fetched.sum()) * self.entry_bytes
         self.stats.fetch_steps += r
         return k, v, mask
 

@@ -38,6 +38,12 @@ Methods (budget B = resident past tokens besides the current one):
              partial ``fraction``, ``skew=0``, or ``query=exact`` (oracle: layer
              i's own query instead of the prediction, to separate the
              cross-layer error from the threshold / channel error).
+  offload    the rule the vLLM plugin ships (``--kv-eviction infinigen``):
+             per layer the sinks + newest tokens stay resident (B, compacted
+             by block), the rest is on the host; every layer speculates with
+             its own query and attends resident + the host tokens among each
+             head's top k (``offload.infinigen_decode_reference``).
+             ``offload@alpha=A@cap=F@sink=S@block=N`` variants.
   infinigen+<policy>  InfiniGen with a host pool in the loop
              (:class:`vllm_kvevict.host_pool.HostKVPool`, ``--pool-fraction`` of
              the run's offloaded blocks): a full block of a speculated layer is
@@ -300,6 +306,51 @@ class InfiniGen(Method):
         return out
 
 
+class Offload(Method):
+    """What the plugin ships (``--kv-eviction infinigen``), token by token: per
+    layer and KV head the resident set is the ``sink`` first + the newest
+    tokens, compacted back to B when it reaches B + ``block`` (vLLM's
+    amortised rule); the evicted tokens are on the host, all of them present.
+    Every layer, layer 0 included, attends by
+    :func:`vllm_kvevict.offload.infinigen_decode_reference` with its own query:
+    resident + the host tokens among each head's speculated top k (cap:
+    ``cap`` x the tokens so far)."""
+
+    name = "offload"
+
+    def __init__(self, budget: int, skewing: sk.Skewing, alpha: float = 4.0, cap: float = 0.2,
+                 sink: int = 4, block: int = 32) -> None:
+        self.budget, self.alpha, self.cap, self.sink, self.block = budget, alpha, cap, sink, block
+        self.skewing = skewing if skewing.is_packed else skewing.packed()
+
+    def reset(self, model, total_len):
+        self.resident: dict[int, torch.Tensor] = {}  # layer -> (n,) bool, same for all heads
+        self.attended = torch.zeros(model.config.num_hidden_layers)
+        self.steps = torch.zeros(model.config.num_hidden_layers)
+
+    def attend(self, layer, module, q, k, v, step, row):
+        from vllm_kvevict.offload import infinigen_decode_reference
+
+        h, n, _ = k.shape
+        res = torch.cat([self.resident.get(layer, torch.zeros(0, dtype=torch.bool)),
+                         torch.ones(1, dtype=torch.bool)])
+        if int(res.sum()) >= self.budget + self.block:  # compact: sinks + newest
+            keep = torch.nonzero(res)[:, 0]
+            keep = torch.cat([keep[:self.sink], keep[-(self.budget - self.sink):]])
+            res = torch.zeros(n, dtype=torch.bool)
+            res[keep] = True
+        self.resident[layer] = res
+        cap = math.ceil(self.cap * n)
+        out = infinigen_decode_reference(q, k, v, res.expand(h, -1), self.skewing.a[layer],
+                                         self.skewing.num_partial, self.alpha, cap,
+                                         module.scaling)
+        self.steps[layer] += 1
+        return out.to(q.dtype)
+
+    def summary(self):
+        return dict(budget=self.budget, alpha=self.alpha, cap=self.cap, sink=self.sink)
+
+
 # ---------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------
@@ -385,6 +436,8 @@ class Result:
 
 
 SPEC_KEYS = {"h2o": {"budget": int, "recent": int},
+             "offload": {"budget": int, "alpha": float, "cap": float, "sink": int,
+                         "block": int},
              "infinigen": {"budget": int, "alpha": float, "first": int, "query": str,
                            "fraction": float, "skew": int}}
 
@@ -445,6 +498,10 @@ def evaluate(model, ids: torch.Tensor, budget: int, skewing: sk.Skewing | None =
             rows.append(Full())
         elif kind == "h2o":
             rows.append(H2O(opts.get("budget", budget), opts.get("recent", recent)))
+        elif kind == "offload":
+            rows.append(Offload(opts.get("budget", budget), skewing, opts.get("alpha", alpha),
+                                opts.get("cap", 0.2), opts.get("sink", 4),
+                                opts.get("block", 32)))
         else:
             rows.append(InfiniGen(opts.get("budget", budget), skewing_of(opts),
                                   opts.get("alpha", alpha), block_size, name=spec,
@@ -571,7 +628,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default="full,h2o,infinigen,infinigen-noskew",
                     help="comma-separated specs: full, h2o[@budget=N@recent=N], "
                          "infinigen[@alpha=A@first=L@query=predicted|exact@fraction=F@skew=0|1"
-                         "@budget=N], infinigen-noskew")
+                         "@budget=N], infinigen-noskew, offload[@alpha=A@cap=F@sink=S"
+                         "@block=N@budget=N] (the plugin's rule: resident sinks + recent, "
+                         "own-query speculation over the host tokens)")
     ap.add_argument("--pool-policies", default="counter,lru,fifo",
                     help="host-pool victim policies ('' for none)")
     ap.add_argument("--pool-fraction", type=float, default=0.8)
