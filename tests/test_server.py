@@ -130,6 +130,9 @@ def test_bad_input_gets_4xx_and_changes_nothing(server, reference_text, case):
     (["--additional-config", "{kv_eviction: h2o"], "--additional-config must be a JSON object"),
     (["--kv-eviction", "h2o", "--kv-budget", "0.0"], "--kv-budget"),
     (["--kv-eviction", "h2o", "--kv-budget", "8"], "below one KV block"),
+    (["--kv-eviction", "infinigen", "--kv-swap-space", "lots"], "--kv-swap-space"),
+    (["--kv-swap-space", "4GiB"], "needs an eviction policy"),
+    (["--kv-eviction", "infinigen", "--kv-host-victim", "random"], "invalid choice: 'random'"),
 ])
 def test_bad_settings_stop_startup_naming_the_flag(model_path, argv, message):
     proc = subprocess.run(
