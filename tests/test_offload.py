@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from vllm_kvevict.offload import (HostTier, attend_resident_and_host,
-                                  infinigen_decode_reference, select_host_entries)
+from vllm_kvevict.offload import (HostTier, decode_attention, infinigen_decode_reference,
+                                  partial_logits, select_host_entries)
 from vllm_kvevict.skewing import Skewing, skew_keys, skew_matrix, skew_queries
 
 H, G, D, BS, C = 3, 3, 16, 4, 5
@@ -58,13 +58,8 @@ def test_batched_path_equals_paper_reference(alpha, cap):
             tier.offload(f"r{i}", _gather(k, part)[None], _gather(v, part)[None])
     ids = [f"r{i}" for i in range(r)]
     q = torch.stack([x[0] for x in rows])
-    qp = skew_queries(q[:, :, None, :], a)[:, :, 0, :C]
-    kp_res = skew_keys(k_res, a)[..., :C]
-    kp_host, valid = tier.partial_keys(ids, 0)
-    cap_t = torch.full((r,), cap)
-    sel = select_host_entries(qp, kp_res, res_len, kp_host, valid, alpha, cap_t, SCALE)
-    kh, vh, hm = tier.fetch(ids, 0, sel, G)
-    out = attend_resident_and_host(q, k_res, v_res, res_len, kh, vh, hm, SCALE)
+    out = decode_attention(tier, ids, 0, q, k_res, v_res, res_len, alpha,
+                           torch.full((r,), cap), SCALE)
     for i, (qi, k, v, mask, _, _) in enumerate(rows):
         ref = infinigen_decode_reference(qi, k, v, mask, a, C, alpha, cap, SCALE)
         torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
@@ -84,10 +79,10 @@ def test_small_alpha_fetches_less_than_large():
     counts = []
     for alpha in (0.5, 2.0, 8.0, 1e9):
         qp = skew_queries(q[None, :, None, :], a)[:, :, 0, :C]
-        sel = select_host_entries(qp, skew_keys(_gather(k, res_idx), a)[None, ..., :C],
-                                  torch.tensor([16]), skew_keys(_gather(k, host_idx), a)[None, ..., :C],
-                                  torch.ones(1, 48, dtype=torch.bool), alpha,
-                                  torch.tensor([1000]), SCALE)
+        sel = select_host_entries(
+            partial_logits(qp, skew_keys(_gather(k, res_idx), a)[None, ..., :C], SCALE),
+            partial_logits(qp, skew_keys(_gather(k, host_idx), a)[None, ..., :C], SCALE),
+            torch.tensor([1000]), alpha)
         counts.append(int((sel >= 0).sum()))
     assert counts == sorted(counts) and counts[0] < counts[-1] == HQ * 48
 
@@ -118,6 +113,7 @@ def test_partial_block_padding_is_never_selected():
                  torch.randn(1, H, BS + 1, D, generator=gen))  # 2 blocks, 1 + 3 pad
     kp, valid = tier.partial_keys(["x"], 0)
     assert valid.sum() == BS + 1 and kp.shape[2] == 2 * BS
-    sel = select_host_entries(torch.randn(1, HQ, C, generator=gen), torch.zeros(1, H, 1, C),
-                              torch.tensor([1]), kp, valid, math.inf, torch.tensor([99]), 1.0)
+    lh = partial_logits(torch.randn(1, HQ, C, generator=gen), kp, 1.0)
+    sel = select_host_entries(torch.zeros(1, HQ, 1), lh.masked_fill(~valid[:, None], -math.inf),
+                              torch.tensor([99]), math.inf)
     assert int(sel.max()) == BS and (sel >= 0).sum() == HQ * (BS + 1)
