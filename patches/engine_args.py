@@ -8,7 +8,10 @@ HOW: add an argument group; fold the parsed values into
      the settings (and the budget against the block size) in
      create_engine_config, so a bad value stops startup with the flag's name.
      On CUDA with eviction on, request `--attention-backend CUSTOM` (our
-     FlashAttention wrapper, see integration/select.py).
+     FlashAttention wrapper, see integration/select.py). With offload on, set
+     kv_transfer_config to our KV connector (integration/offload_connector.py,
+     whose per-layer hooks carry InfiniGen's prefetch) and enforce_eager (the
+     connector reads attention inputs through a Python forward hook).
 UPSTREAM: a plugin API to register engine CLI arguments.
 """
 
@@ -88,6 +91,20 @@ def apply() -> None:
                 raise EvictionConfigError(
                     "--kv-eviction infinigen / --kv-swap-space: KV offload runs on the "
                     "CPU backend only in this release")
+            if self.kv_transfer_config is not None:
+                raise EvictionConfigError(
+                    "--kv-eviction infinigen / --kv-swap-space: offload brings KV back "
+                    "through its own KV connector and cannot be combined with "
+                    "--kv-transfer-config")
+            from vllm.config import KVTransferConfig
+
+            from vllm_kvevict.integration.offload_connector import CONNECTOR_NAME
+
+            # The connector's per-layer hooks carry the prefetch; its input
+            # capture is a Python forward hook, which needs eager execution.
+            self.kv_transfer_config = KVTransferConfig(kv_connector=CONNECTOR_NAME,
+                                                       kv_role="kv_both")
+            self.enforce_eager = True
         select_attention_backend(self, cfg)
         vllm_config = create_engine_config.__kvevict_original__(self, *args, **kwargs)
         if cfg.enabled:

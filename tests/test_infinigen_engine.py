@@ -25,7 +25,9 @@ def _run(model_path, extra, prompts, params):
         outs = llm.generate(prompts, params, use_tqdm=False)
         state = worker_state()
         host = None if state is None else state.host
-        stats = None if host is None else dict(host.stats.as_dict(), pool=host.pool.stats)
+        kvt = llm.llm_engine.vllm_config.kv_transfer_config
+        stats = None if host is None else dict(host.stats.as_dict(), pool=host.pool.stats,
+                                               connector=kvt.kv_connector)
         # vLLM tells workers about finished requests on the next step: run one.
         llm.generate(["hi"], greedy(2), use_tqdm=False)
         left = None if host is None else (len(host.pool), len(host.requests))
@@ -54,6 +56,12 @@ def test_fetching_everything_back_is_token_identical_to_stock(model_path, stock_
     assert probe.max_blocks_per_request <= max_blocks_per_request(BUDGET, 32)
     assert stats["entries_offloaded"] > 0 and stats["entries_missed"] == 0
     assert stats["pool"].evictions == 0 and stats["pool"].prefetch_hits > 0
+    # The prefetch went through our KV connector's per-layer hooks: speculating
+    # with alpha = inf also selects every host entry, so every needed entry was
+    # already there when its layer ran, except at layer 0, which has no layer
+    # before it to speculate from (each of the 30 layers needs the same count).
+    assert stats["connector"] == "KVEvictHostTier"
+    assert stats["speculation_hits"] * 30 == stats["entries_needed"] * 29 > 0
     assert left == (0, 0) and probe.used_blocks() == 0
 
 
@@ -67,6 +75,8 @@ def test_default_threshold_fetches_a_fraction_and_stays_close(model_path, stock_
     assert 0 < fetched_per_step < offloaded_per_layer / len(PROMPTS)
     same = sum(a == b for x, y in zip(ids, stock_ids) for a, b in zip(x, y))
     assert same >= 0.5 * sum(map(len, stock_ids))
+    # Layer i-1's input predicted part of what layer i needed, not all of it.
+    assert 0 < stats["speculation_hits"] < stats["entries_needed"]
     assert left == (0, 0) and probe.used_blocks() == 0
 
 

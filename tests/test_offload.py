@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vllm_kvevict.offload import (HostTier, decode_attention, infinigen_decode_reference,
-                                  partial_logits, select_host_entries)
+                                  partial_logits, select_host_entries, speculate, Fetched)
 from vllm_kvevict.skewing import Skewing, skew_keys, skew_matrix, skew_queries
 
 H, G, D, BS, C = 3, 3, 16, 4, 5
@@ -70,6 +70,55 @@ def test_batched_path_equals_paper_reference(alpha, cap):
     assert tier.stats.entries_missed == 0
     if cap < 1000:  # the cap binds: some host entries stay on the host
         assert tier.stats.entries_fetched < sum(x[5].numel() for x in rows)
+
+
+def _tier_and_rows(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    a = _skewing(1, gen)[0]
+    rows = [_row(gen, n, res) for n, res in ((40, 12), (29, 12))]
+    tier = HostTier(capacity=1000, victim="counter", a=a[None], num_partial=C, block_size=BS,
+                    dtype=torch.float32)
+    s = max(x[4].shape[1] for x in rows)
+    k_res, v_res = torch.zeros(2, H, s, D), torch.zeros(2, H, s, D)
+    for i, (q, k, v, mask, res_idx, host_idx) in enumerate(rows):
+        m = res_idx.shape[1]
+        k_res[i, :, :m], v_res[i, :, :m] = _gather(k, res_idx), _gather(v, res_idx)
+        tier.offload(f"r{i}", _gather(k, host_idx)[None], _gather(v, host_idx)[None])
+    res_len = torch.tensor([x[4].shape[1] for x in rows])
+    q = torch.stack([x[0] for x in rows])
+    return tier, q, k_res, v_res, res_len
+
+
+@pytest.mark.parametrize("quality", ["own query", "noisy", "unrelated", "nothing"])
+def test_prefetched_entries_change_traffic_not_output(quality):
+    """Speculation with a predicted query (good, noisy or unrelated) decides
+    what is fetched ahead; the layer's own query decides what is attended, so
+    the output equals the no-prefetch path, and hits are counted exactly."""
+    tier, q, k_res, v_res, res_len = _tier_and_rows(2)
+    ids, cap = ["r0", "r1"], torch.tensor([12, 10])
+    want = decode_attention(tier, ids, 0, q, k_res, v_res, res_len, 4.0, cap, SCALE)
+    needed = tier.stats.entries_needed
+    gen = torch.Generator().manual_seed(3)
+    q_pred = {"own query": q, "noisy": q + 0.5 * torch.randn(q.shape, generator=gen),
+              "unrelated": torch.randn(q.shape, generator=gen) * 2, "nothing": q}[quality]
+    pre = speculate(tier, ids, 0, q_pred, k_res, res_len, 4.0, cap, SCALE)
+    if quality == "nothing":  # a prefetch that brought nothing back
+        pre = Fetched(torch.full_like(pre.sel, -1), pre.k, pre.v, torch.zeros_like(pre.mask))
+    hits_before = tier.stats.speculation_hits
+    got = decode_attention(tier, ids, 0, q, k_res, v_res, res_len, 4.0, cap, SCALE,
+                           prefetched=pre)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    hits = tier.stats.speculation_hits - hits_before
+    # Hits counted by hand: needed (row, query head, entry) that pre holds.
+    from vllm_kvevict.offload import select_entries
+    sel = select_entries(tier, ids, 0, q, k_res, res_len, 4.0, cap, SCALE)
+    expect = sum(int(e) in set(pre.sel[r, h][pre.mask[r, h]].tolist())
+                 for r in range(2) for h in range(HQ) for e in sel[r, h] if e >= 0)
+    assert hits == expect and needed == int((sel >= 0).sum())
+    if quality == "own query":
+        assert hits == needed > 0
+    if quality == "nothing":
+        assert hits == 0
 
 
 def test_small_alpha_fetches_less_than_large():

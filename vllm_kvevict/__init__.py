@@ -42,6 +42,9 @@ def register() -> None:
 
         register_cuda_backend()
     apply_all()
+    from vllm_kvevict.integration.offload_connector import register as register_connector
+
+    register_connector()  # the KV connector offload configures (--kv-swap-space)
     from vllm_kvevict.integration.metrics import register_collector
 
     register_collector()  # eviction counters on the API server's /metrics

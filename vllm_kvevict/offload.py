@@ -18,15 +18,20 @@ Storage (``HostTier``):
                kept beside the resident cache so speculation never reads the
                host tier.
 
-Decode (``select_host_entries`` + ``attend_resident_and_host``), per layer
-and batch row, from the paper (sections 4.2-4.3) with one change: the query is
-the layer's own (post-RoPE) query, not a prediction from layer i-1's input
-(see integration/offload_attention.py for why):
+Decode, per layer and batch row, from the paper (sections 4.2-4.3):
   1. partial logits q~[:C] . k~[:C] * scale of every token, resident and host;
   2. count, per query head, the tokens above max - alpha; the mean count over
      the heads, rounded up, is k for every head, capped at ``cap`` tokens;
   3. each query head's top-k tokens; the host ones among them are fetched;
   4. attention over the resident tokens + the fetched host entries.
+``speculate`` runs steps 1-3 with the paper's predicted query (layer i-1's
+attention input times layer i's W_Q) and fetches ahead of the layer;
+``decode_attention`` runs them again with the layer's own query, takes what
+speculation already holds and fetches the rest on demand. The second pass is
+our change: on SmolLM2-135M the predicted query alone costs most of the
+quality (results/infinigen/dense.md: perplexity 81.9 vs 45.7 with the own
+query, full cache 44.0), so speculation decides what moves early and the own
+query decides what is attended.
 With alpha large and no cap every host entry comes back: attention is then
 over all tokens, and decoding equals a run that never offloaded.
 ``infinigen_decode_reference`` is the same rule written for one row over the
@@ -105,21 +110,20 @@ def attend_resident_and_host(q: torch.Tensor, k_res: torch.Tensor, v_res: torch.
     return out + (p[..., s:, None] * v_host.float()).sum(dim=2)
 
 
-def decode_attention(tier: "HostTier", req_ids: list[str], layer: int, q: torch.Tensor,
-                     k_res: torch.Tensor, v_res: torch.Tensor, res_len: torch.Tensor,
-                     alpha: float, cap: torch.Tensor, scale: float) -> torch.Tensor:
-    """Steps 1-4 for R decode rows of one layer, every row with host entries.
+def select_entries(tier: "HostTier", req_ids: list[str], layer: int, q: torch.Tensor,
+                   k_res: torch.Tensor, res_len: torch.Tensor, alpha: float,
+                   cap: torch.Tensor, scale: float) -> torch.Tensor:
+    """Steps 1-3 for R decode rows of one layer: which host entries to attend.
 
-    q: (R, H_q, D) post-RoPE queries; k_res, v_res: (R, H, S, D) the resident
-    cache (res_len (R,) valid, the current token included); cap: (R,) tokens.
-    returns (R, H_q, D) float32
+    q: (R, H_q, D) post-RoPE queries (the layer's own, or predicted from layer
+    i-1's input); k_res: (R, H, S, D) the resident keys, res_len (R,) valid;
+    cap: (R,) tokens. returns (R, H_q, K) host entry indices, -1 where none.
 
     The resident partial logits use q~_C . k~_C = q (A_C A_C^T) k^T: one
     (D x D) product per query head instead of skewing every resident key.
     """
-    r, hq, d = q.shape
-    h = k_res.shape[1]
-    g = hq // h
+    hq = q.shape[1]
+    g = hq // k_res.shape[1]
     a = tier.a[layer]  # (H, D, D) packed: the partial channels are the first C
     a_c = a[:, :, :tier.c].repeat_interleave(g, dim=0)  # (H_q, D, C)
     qp = (q.float()[:, :, None, :] @ a_c)[:, :, 0]  # (R, H_q, C)
@@ -128,10 +132,76 @@ def decode_attention(tier: "HostTier", req_ids: list[str], layer: int, q: torch.
                                                       -math.inf)
     kp_host, valid = tier.partial_keys(req_ids, layer)
     lh = partial_logits(qp, kp_host, scale).masked_fill(~valid[:, None], -math.inf)
-    sel = select_host_entries(lr, lh, cap, alpha)
+    return select_host_entries(lr, lh, cap, alpha)
+
+
+@dataclass
+class Fetched:
+    """Host entries brought back for R rows: sel (R, H_q, K) entry indices (-1:
+    none), k, v (R, H_q, K, D), mask (R, H_q, K) True where present."""
+
+    sel: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor
+
+
+def take_prefetched(sel: torch.Tensor, pre: Fetched) -> Fetched:
+    """The entries of sel (R, H_q, K) that pre already holds (same rows)."""
+    if pre.sel.shape[2] == 0 or sel.shape[2] == 0:
+        none = torch.zeros_like(sel, dtype=torch.bool)
+        shape = (*sel.shape, pre.k.shape[-1])
+        return Fetched(torch.full_like(sel, -1), pre.k.new_zeros(shape),
+                       pre.v.new_zeros(shape), none)
+    eq = (sel[..., :, None] == pre.sel[..., None, :]) & pre.mask[..., None, :]  # (R,H_q,K,Kp)
+    hit = eq.any(dim=3) & (sel >= 0)
+    at = eq.to(torch.uint8).argmax(dim=3)  # (R, H_q, K) position in pre
+    d = pre.k.shape[-1]
+    idx = at[..., None].expand(-1, -1, -1, d)
+    return Fetched(torch.where(hit, sel, -1), pre.k.gather(2, idx), pre.v.gather(2, idx), hit)
+
+
+def decode_attention(tier: "HostTier", req_ids: list[str], layer: int, q: torch.Tensor,
+                     k_res: torch.Tensor, v_res: torch.Tensor, res_len: torch.Tensor,
+                     alpha: float, cap: torch.Tensor, scale: float,
+                     prefetched: Fetched | None = None) -> torch.Tensor:
+    """Steps 1-4 for R decode rows of one layer, every row with host entries.
+
+    q: (R, H_q, D) post-RoPE queries; k_res, v_res: (R, H, S, D) the resident
+    cache (res_len (R,) valid, the current token included); cap: (R,) tokens;
+    prefetched: what speculation already brought back for these rows. Entries
+    the layer's own query selects come from there when present (a speculation
+    hit) and from the host tier otherwise (on demand), so the output never
+    depends on how good the speculation was.
+    returns (R, H_q, D) float32
+    """
+    g = q.shape[1] // k_res.shape[1]
+    sel = select_entries(tier, req_ids, layer, q, k_res, res_len, alpha, cap, scale)
+    stats = tier.stats
+    stats.entries_needed += int((sel >= 0).sum())
+    if prefetched is not None:
+        hit = take_prefetched(sel, prefetched)
+        stats.speculation_hits += int(hit.mask.sum())
+        sel = torch.where(hit.mask, -1, sel)
     k_host, v_host, mask = tier.fetch(req_ids, layer, sel, g)
-    tier.stats.attended_tokens += int(res_len.sum()) * hq + int(mask.sum())
+    if prefetched is not None:
+        k_host = torch.where(hit.mask[..., None], hit.k, k_host)
+        v_host = torch.where(hit.mask[..., None], hit.v, v_host)
+        mask = mask | hit.mask
+    stats.attended_tokens += int(res_len.sum()) * q.shape[1] + int(mask.sum())
     return attend_resident_and_host(q, k_res, v_res, res_len, k_host, v_host, mask, scale)
+
+
+def speculate(tier: "HostTier", req_ids: list[str], layer: int, q: torch.Tensor,
+              k_res: torch.Tensor, res_len: torch.Tensor, alpha: float, cap: torch.Tensor,
+              scale: float) -> Fetched:
+    """InfiniGen's prefetch (section 4.3): select with a predicted query and
+    bring those entries back ahead of the layer. Arguments as select_entries."""
+    g = q.shape[1] // k_res.shape[1]
+    sel = select_entries(tier, req_ids, layer, q, k_res, res_len, alpha, cap, scale)
+    k, v, mask = tier.fetch(req_ids, layer, sel, g)
+    tier.stats.entries_speculated += int(mask.sum())
+    return Fetched(sel, k, v, mask)
 
 
 def infinigen_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -178,7 +248,10 @@ class TransferStats:
     entries_missed: int = 0      # selected entries whose block the pool had dropped
     bytes_offloaded: int = 0
     bytes_fetched: int = 0
-    fetch_steps: int = 0         # (layer, row) speculations
+    fetch_steps: int = 0         # (layer, row) fetches, speculative or on demand
+    entries_needed: int = 0      # (layer, row, query head, entry) the own query selected
+    entries_speculated: int = 0  # of those positions, fetched ahead by speculation
+    speculation_hits: int = 0    # needed entries found among the speculated ones
     attended_tokens: int = 0     # sum over (layer, row, query head) of tokens attended
 
     def as_dict(self) -> dict:

@@ -8,17 +8,14 @@ decode attention (the vLLM-free parts are in vllm_kvevict/offload.py).
                    rank's KV heads, a pool of --kv-swap-space bytes
   host_decode      after the stock kernel has attended the resident cache,
                    decode rows of requests with host entries are attended
-                   again over resident + fetched host entries, and replace
-                   the stock rows
+                   again over resident + host entries, and replace the stock
+                   rows. Entries come from the prefetch the KV connector made
+                   for this layer (offload_connector.py) or, when speculation
+                   missed them, from the host tier on demand
+  host_prefetch    the connector's speculation for the next layer
 
-Speculation uses the layer's own query, not the paper's prediction from layer
-i-1's attention input. Measured on SmolLM2-135M (results/infinigen/dense.md),
-the cross-layer prediction is where InfiniGen loses quality there (perplexity
-81.9 vs 45.7 with the own query, full cache 44.0). On CPU both tiers are host
-memory, so there is no transfer for the prediction to hide. vLLM's KV-connector
-hooks (wait_for_layer_load before a layer) run before the layer's query exists,
-so this path does not go through them; a GPU build that overlaps the copy with
-layer i-1 would.
+Selection in host_decode uses the layer's own query; the paper's prediction
+from layer i-1's input only decides what is prefetched (offload.py says why).
 """
 from __future__ import annotations
 
@@ -27,7 +24,7 @@ import re
 
 import torch
 
-from vllm_kvevict.offload import HostTier, decode_attention
+from vllm_kvevict.offload import HostTier, decode_attention, speculate
 
 logger = logging.getLogger("vllm_kvevict")
 
@@ -71,33 +68,71 @@ def evicted_entries(keep: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return k.gather(2, idx), v.gather(2, idx)
 
 
+class DecodeRows:
+    """The decode rows of this step whose requests have host entries.
+
+    tokens (R,) their query rows; seq (R,) resident lengths with the current
+    token; ids their request ids; table (R, nblk) their block tables."""
+
+    def __init__(self, state, attn_metadata, layout) -> None:
+        self.ids: list[str] = []
+        host = state.host
+        if host is None or not host.requests or state.runner is None:
+            return
+        qsl = attn_metadata.query_start_loc.cpu()
+        num_reqs = qsl.shape[0] - 1
+        req_ids = state.runner.input_batch.req_ids[:num_reqs]
+        rows = [i for i, r in enumerate(req_ids)
+                if r in host.requests and int(qsl[i + 1] - qsl[i]) == 1]
+        if not rows:
+            return
+        rows_t = torch.tensor(rows)
+        self.ids = [req_ids[i] for i in rows]
+        self.tokens = qsl[rows_t].long()
+        self.seq = attn_metadata.seq_lens[: num_reqs].cpu()[rows_t]
+        self.nblk = -(-int(self.seq.max()) // layout.block_size)
+        self.table = attn_metadata.block_table[rows_t.to(attn_metadata.block_table.device)]
+        total = torch.tensor([int(s) + host.num_entries(r)
+                              for s, r in zip(self.seq.tolist(), self.ids)])
+        self.cap = (total.float() * state.cfg.prefetch).ceil().long()
+
+    def resident(self, kv_cache, layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (R, H, S, D) of one layer's resident cache."""
+        key_cache, value_cache = layout.split(kv_cache)
+        return (layout.gather_keys(key_cache, self.table, self.nblk),
+                layout.gather_values(value_cache, self.table, self.nblk))
+
+
 def host_decode(state, layer, query, kv_cache, attn_metadata, output, layout) -> None:
     """Replace the output rows of decode requests that have host entries."""
-    host = state.host
-    if host is None or not host.requests or state.runner is None:
+    rows = DecodeRows(state, attn_metadata, layout)
+    prefetched, state.prefetched = state.prefetched, None  # this layer's, used once
+    if not rows.ids:
         return
-    qsl = attn_metadata.query_start_loc.cpu()
-    num_reqs = qsl.shape[0] - 1
-    req_ids = state.runner.input_batch.req_ids[:num_reqs]
-    rows = [i for i, r in enumerate(req_ids)
-            if r in host.requests and int(qsl[i + 1] - qsl[i]) == 1]
-    if not rows:
-        return
-    rows_t = torch.tensor(rows)
-    tokens = qsl[rows_t].long()
-    seq = attn_metadata.seq_lens[: num_reqs].cpu()[rows_t]
-    nblk = -(-int(seq.max()) // layout.block_size)
-    key_cache, value_cache = layout.split(kv_cache)
-    table = attn_metadata.block_table[rows_t.to(attn_metadata.block_table.device)]
-    k_res = layout.gather_keys(key_cache, table, nblk)
-    v_res = layout.gather_values(value_cache, table, nblk)
-    ids = [req_ids[i] for i in rows]
-    total = torch.tensor([int(s) + host.num_entries(r) for s, r in zip(seq.tolist(), ids)])
-    cap = (total.float() * state.cfg.prefetch).ceil().long()
+    if prefetched is not None and prefetched[0] != rows.ids:
+        prefetched = None  # made for other rows: cannot happen within one step
+    k_res, v_res = rows.resident(kv_cache, layout)
     hq, d = query.shape[1], query.shape[2]
-    out = decode_attention(host, ids, layer_index(layer.layer_name), query[tokens], k_res,
-                           v_res, seq, state.cfg.alpha, cap, _scale(layer, d))
-    output.view(-1, hq, d)[tokens] = out.to(output.dtype)
+    out = decode_attention(state.host, rows.ids, layer_index(layer.layer_name),
+                           query[rows.tokens], k_res, v_res, rows.seq, state.cfg.alpha,
+                           rows.cap, _scale(layer, d),
+                           None if prefetched is None else prefetched[1])
+    output.view(-1, hq, d)[rows.tokens] = out.to(output.dtype)
+
+
+def host_prefetch(state, layer: int, predict, kv_cache, attn_metadata, layout, scale: float):
+    """Speculate layer `layer` for this step's rows and fetch ahead.
+
+    predict: tokens (R,) -> (R, H_q, D) predicted post-RoPE queries. Returns (row ids, offload.Fetched) or None when no row needs it.
+    The current token's K is not in the cache yet (its layer has not run),
+    so speculation sees the resident cache without it, as in the paper."""
+    rows = DecodeRows(state, attn_metadata, layout)
+    if not rows.ids:
+        return None
+    k_res, _ = rows.resident(kv_cache, layout)
+    fetched = speculate(state.host, rows.ids, layer, predict(rows.tokens), k_res,
+                        rows.seq - 1, state.cfg.alpha, rows.cap, scale)
+    return rows.ids, fetched
 
 
 def _scale(layer, head_dim: int) -> float:

@@ -109,6 +109,7 @@ class WorkerEviction:
         self._snapshot: Snapshot | None = None
         self.model_dir: str | None = None  # for the skewing of offload (set at init)
         self.host = None  # HostTier (offload_attention.host_tier), made on first use
+        self.prefetched = None  # (row ids, Fetched) for the layer about to run (connector)
 
     # --- registration ---------------------------------------------------------
 
