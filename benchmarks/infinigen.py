@@ -20,8 +20,12 @@ tokens (ignore_eos). Engines, one after the other in this process:
 Columns: wall clock of the generate call and output tok/s; agreement = mean
 fraction of each request's tokens equal to the full cache's before the first
 difference; KV traffic per generated token (offloaded to / fetched from the
-host tier, token-granular: what a real transfer moves); hit rate = selected
-host entries whose block was still in the pool; attended = mean tokens each
+host tier, token-granular: what a real transfer moves, prefetched and on
+demand together); pool hit = selected host entries whose block was still in
+the pool; spec. recall = entries the layer's own query needed that the
+KV connector had already prefetched from layer i-1's input (the paper's
+speculation), spec. precision = prefetched entries that were needed (both per
+query head); attended = mean tokens each
 query head attended per layer and step (resident + fetched); peak blocks =
 the most KV blocks one request held in vLLM's BlockPool.
 
@@ -90,6 +94,8 @@ def run(model: str, name: str, extra: dict, reqs, args) -> dict:
         row.update(offloaded_b_per_tok=s.bytes_offloaded / gen,
                    fetched_b_per_tok=s.bytes_fetched / gen,
                    hit_rate=s.entries_fetched / max(1, s.entries_fetched + s.entries_missed),
+                   spec_recall=s.speculation_hits / max(1, s.entries_needed),
+                   spec_precision=s.speculation_hits / max(1, s.entries_speculated),
                    attended=s.attended_tokens / max(1, s.fetch_steps * heads),
                    pool_peak_bytes=p.peak_blocks * host.pool.block_bytes,
                    pool_evictions=p.evictions)
@@ -102,14 +108,17 @@ def run(model: str, name: str, extra: dict, reqs, args) -> dict:
 def table(rows: list[dict]) -> str:
     ref = rows[0]["ids"]
     out = ["| engine | wall s | tok/s | agreement | offloaded B/tok | fetched B/tok | "
-           "hit rate | attended | peak blocks |", "|---|---|---|---|---|---|---|---|---|"]
+           "pool hit | spec. recall | spec. precision | attended | peak blocks |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         agree = sum(agreement(a, b) for a, b in zip(r["ids"], ref)) / len(ref)
         r["agreement"] = agree
         f = (lambda k, fmt: fmt.format(r[k]) if k in r else "-")
         out.append(f"| {r['name']} | {r['wall_s']:.1f} | {r['tok_s']:.1f} | {agree:.3f} | "
                    f"{f('offloaded_b_per_tok', '{:,.0f}')} | {f('fetched_b_per_tok', '{:,.0f}')} | "
-                   f"{f('hit_rate', '{:.3f}')} | {f('attended', '{:.0f}')} | {r['peak_blocks']} |")
+                   f"{f('hit_rate', '{:.3f}')} | {f('spec_recall', '{:.3f}')} | "
+                   f"{f('spec_precision', '{:.3f}')} | {f('attended', '{:.0f}')} | "
+                   f"{r['peak_blocks']} |")
     return "\n".join(out)
 
 

@@ -133,6 +133,9 @@ def test_bad_input_gets_4xx_and_changes_nothing(server, reference_text, case):
     (["--kv-eviction", "infinigen", "--kv-swap-space", "lots"], "--kv-swap-space"),
     (["--kv-swap-space", "4GiB"], "needs an eviction policy"),
     (["--kv-eviction", "infinigen", "--kv-host-victim", "random"], "invalid choice: 'random'"),
+    (["--kv-eviction", "infinigen", "--kv-transfer-config",
+      json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both"})],
+     "cannot be combined with --kv-transfer-config"),
 ])
 def test_bad_settings_stop_startup_naming_the_flag(model_path, argv, message):
     proc = subprocess.run(
