@@ -148,16 +148,16 @@ class Fetched:
 
 def take_prefetched(sel: torch.Tensor, pre: Fetched) -> Fetched:
     """The entries of sel (R, H_q, K) that pre already holds (same rows)."""
-    if pre.sel.shape[2] == 0 or sel.shape[2] == 0:
-        none = torch.zeros_like(sel, dtype=torch.bool)
-        shape = (*sel.shape, pre.k.shape[-1])
-        return Fetched(torch.full_like(sel, -1), pre.k.new_zeros(shape),
-                       pre.v.new_zeros(shape), none)
-    eq = (sel[..., :, None] == pre.sel[..., None, :]) & pre.mask[..., None, :]  # (R,H_q,K,Kp)
-    hit = eq.any(dim=3) & (sel >= 0)
-    at = eq.to(torch.uint8).argmax(dim=3)  # (R, H_q, K) position in pre
-    d = pre.k.shape[-1]
-    idx = at[..., None].expand(-1, -1, -1, d)
+    r, hq, kp = pre.sel.shape
+    n = int(max(int(sel.max()), int(pre.sel.max()))) + 1 if sel.numel() and kp else 0
+    # where[r, h, e]: e's position in pre's row (r, h), -1 if pre lacks it
+    where = torch.full((r, hq, n + 1), -1, dtype=torch.int64)
+    src = torch.where(pre.mask, pre.sel, n)  # absent entries land in the spare slot n
+    where.scatter_(2, src, torch.arange(kp).expand(r, hq, kp).contiguous())
+    where[..., n] = -1
+    at = where.gather(2, torch.where(sel >= 0, sel, n))  # (R, H_q, K)
+    hit = at >= 0
+    idx = at.clamp(min=0)[..., None].expand(-1, -1, -1, pre.k.shape[-1])
     return Fetched(torch.where(hit, sel, -1), pre.k.gather(2, idx), pre.v.gather(2, idx), hit)
 
 
@@ -284,6 +284,9 @@ class HostTier:
         self.entry_bytes = 2 * d * self.pool.slab.element_size()  # K + V of one head
         self.requests: dict[str, _Request] = {}
         self.stats = TransferStats()
+        # partial_keys per (layer, rows): speculation and decode of one layer
+        # ask for the same rows; any offload or free changes the answer.
+        self._partial_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self.requests
@@ -294,6 +297,7 @@ class HostTier:
 
     def offload(self, req_id: str, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append E evicted entries per (layer, head): k, v (L, H, E, D)."""
+        self._partial_cache.clear()
         num_layers, h, e, d = k.shape
         bs = self.block_size
         nblk = -(-e // bs)
@@ -327,6 +331,9 @@ class HostTier:
         r, hq, kk = sel.shape
         bs = self.block_size
         chosen = sel >= 0
+        if not bool(chosen.any()):  # e.g. speculation already holds everything
+            empty = self.pool.slab.new_zeros(r, hq, kk, self.head_dim)
+            return empty, empty.clone(), chosen
         block = sel.clamp(min=0) // bs
         nb = int(block.max()) + 1 if sel.numel() else 1
         wanted = torch.zeros(r, nb, dtype=torch.bool)
@@ -368,6 +375,12 @@ class HostTier:
     def partial_keys(self, req_ids: list[str], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(R, H, N, C) partial keys of one layer and (R, N) validity, padded to
         the longest row."""
+        key = (layer, tuple(req_ids))
+        if key not in self._partial_cache:
+            self._partial_cache[key] = self._stack_partial_keys(req_ids, layer)
+        return self._partial_cache[key]
+
+    def _stack_partial_keys(self, req_ids: list[str], layer: int):
         n = max(self.requests[r].valid.shape[0] for r in req_ids)
         kp = torch.zeros(len(req_ids), self.num_kv_heads, n, self.c)
         valid = torch.zeros(len(req_ids), n, dtype=torch.bool)
@@ -380,5 +393,6 @@ class HostTier:
 
     def free(self, req_id: str) -> int:
         """Drop a request's host entries (finished, aborted, preempted)."""
+        self._partial_cache.clear()
         self.requests.pop(req_id, None)
         return self.pool.free_request(req_id)
