@@ -94,7 +94,7 @@ def run(model: str, name: str, extra: dict, reqs, args) -> dict:
         row.update(offloaded_b_per_tok=s.bytes_offloaded / gen,
                    fetched_b_per_tok=s.bytes_fetched / gen,
                    hit_rate=s.entries_fetched / max(1, s.entries_fetched + s.entries_missed),
-                   spec_recall=s.speculation_hits / max(1, s.entries_needed),
+                   spec_recall=s.speculation_hits / max(1, s.prefetch_needed),
                    spec_precision=s.speculation_hits / max(1, s.entries_speculated),
                    attended=s.attended_tokens / max(1, s.fetch_steps * heads),
                    pool_peak_bytes=p.peak_blocks * host.pool.block_bytes,

@@ -97,7 +97,6 @@ def test_prefetched_entries_change_traffic_not_output(quality):
     tier, q, k_res, v_res, res_len = _tier_and_rows(2)
     ids, cap = ["r0", "r1"], torch.tensor([12, 10])
     want = decode_attention(tier, ids, 0, q, k_res, v_res, res_len, 4.0, cap, SCALE)
-    needed = tier.stats.entries_needed
     gen = torch.Generator().manual_seed(3)
     q_pred = {"own query": q, "noisy": q + 0.5 * torch.randn(q.shape, generator=gen),
               "unrelated": torch.randn(q.shape, generator=gen) * 2, "nothing": q}[quality]
@@ -109,6 +108,7 @@ def test_prefetched_entries_change_traffic_not_output(quality):
                            prefetched=pre)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     hits = tier.stats.speculation_hits - hits_before
+    needed = tier.stats.prefetch_needed
     # Hits counted by hand: needed (row, query head, entry) that pre holds.
     from vllm_kvevict.offload import select_entries
     sel = select_entries(tier, ids, 0, q, k_res, res_len, 4.0, cap, SCALE)

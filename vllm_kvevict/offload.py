@@ -178,8 +178,8 @@ def decode_attention(tier: "HostTier", req_ids: list[str], layer: int, q: torch.
     g = q.shape[1] // k_res.shape[1]
     sel = select_entries(tier, req_ids, layer, q, k_res, res_len, alpha, cap, scale)
     stats = tier.stats
-    stats.entries_needed += int((sel >= 0).sum())
     if prefetched is not None:
+        stats.prefetch_needed += int((sel >= 0).sum())
         hit = take_prefetched(sel, prefetched)
         stats.speculation_hits += int(hit.mask.sum())
         sel = torch.where(hit.mask, -1, sel)
@@ -249,9 +249,10 @@ class TransferStats:
     bytes_offloaded: int = 0
     bytes_fetched: int = 0
     fetch_steps: int = 0         # (layer, row) fetches, speculative or on demand
-    entries_needed: int = 0      # (layer, row, query head, entry) the own query selected
-    entries_speculated: int = 0  # of those positions, fetched ahead by speculation
-    speculation_hits: int = 0    # needed entries found among the speculated ones
+    # Speculation, per (layer, row, query head, entry), at layers that had a prefetch:
+    prefetch_needed: int = 0     # entries the layer's own query selected
+    entries_speculated: int = 0  # entries the prefetch brought
+    speculation_hits: int = 0    # needed entries the prefetch had brought
     attended_tokens: int = 0     # sum over (layer, row, query head) of tokens attended
 
     def as_dict(self) -> dict:

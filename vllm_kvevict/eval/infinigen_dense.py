@@ -311,10 +311,10 @@ class Offload(Method):
     layer and KV head the resident set is the ``sink`` first + the newest
     tokens, compacted back to B when it reaches B + ``block`` (vLLM's
     amortised rule); the evicted tokens are on the host, all of them present.
-    Every layer, layer 0 included, attends by
-    :func:`vllm_kvevict.offload.infinigen_decode_reference` with its own query:
-    resident + the host tokens among each head's speculated top k (cap:
-    ``cap`` x the tokens so far)."""
+    Layers 1.. attend by :func:`vllm_kvevict.offload.infinigen_decode_reference`
+    with their own query: resident + the host tokens among each head's
+    speculated top k (cap: ``cap`` x the tokens so far). Layer 0 attends its
+    full cache, as in the paper (resident + every host token)."""
 
     name = "offload"
 
@@ -340,10 +340,9 @@ class Offload(Method):
             res = torch.zeros(n, dtype=torch.bool)
             res[keep] = True
         self.resident[layer] = res
-        cap = math.ceil(self.cap * n)
+        alpha, cap = (math.inf, n) if layer == 0 else (self.alpha, math.ceil(self.cap * n))
         out = infinigen_decode_reference(q, k, v, res.expand(h, -1), self.skewing.a[layer],
-                                         self.skewing.num_partial, self.alpha, cap,
-                                         module.scaling)
+                                         self.skewing.num_partial, alpha, cap, module.scaling)
         self.steps[layer] += 1
         return out.to(q.dtype)
 

@@ -20,6 +20,7 @@ from layer i-1's input only decides what is prefetched (offload.py says why).
 from __future__ import annotations
 
 import logging
+import math
 import re
 
 import torch
@@ -94,6 +95,7 @@ class DecodeRows:
         self.table = attn_metadata.block_table[rows_t.to(attn_metadata.block_table.device)]
         total = torch.tensor([int(s) + host.num_entries(r)
                               for s, r in zip(self.seq.tolist(), self.ids)])
+        self.total = total  # (R,) resident + host tokens
         self.cap = (total.float() * state.cfg.prefetch).ceil().long()
 
     def resident(self, kv_cache, layout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,9 +115,12 @@ def host_decode(state, layer, query, kv_cache, attn_metadata, output, layout) ->
         prefetched = None  # made for other rows: cannot happen within one step
     k_res, v_res = rows.resident(kv_cache, layout)
     hq, d = query.shape[1], query.shape[2]
-    out = decode_attention(state.host, rows.ids, layer_index(layer.layer_name),
-                           query[rows.tokens], k_res, v_res, rows.seq, state.cfg.alpha,
-                           rows.cap, _scale(layer, d),
+    i = layer_index(layer.layer_name)
+    # Layer 0 attends its full cache, as in the paper: no layer before it to
+    # speculate from, and its attention is the least skewed.
+    alpha, cap = (math.inf, rows.total) if i == 0 else (state.cfg.alpha, rows.cap)
+    out = decode_attention(state.host, rows.ids, i, query[rows.tokens], k_res, v_res,
+                           rows.seq, alpha, cap, _scale(layer, d),
                            None if prefetched is None else prefetched[1])
     output.view(-1, hq, d)[rows.tokens] = out.to(output.dtype)
 
