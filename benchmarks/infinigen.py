@@ -96,7 +96,7 @@ def run(model: str, name: str, extra: dict, reqs, args) -> dict:
                    hit_rate=s.entries_fetched / max(1, s.entries_fetched + s.entries_missed),
                    spec_recall=s.speculation_hits / max(1, s.prefetch_needed),
                    spec_precision=s.speculation_hits / max(1, s.entries_speculated),
-                   attended=s.attended_tokens / max(1, s.fetch_steps * heads),
+                   attended=s.attended_tokens / max(1, s.decode_rows * heads),
                    pool_peak_bytes=p.peak_blocks * host.pool.block_bytes,
                    pool_evictions=p.evictions)
     llm.llm_engine.engine_core.shutdown()

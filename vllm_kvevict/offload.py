@@ -189,6 +189,7 @@ def decode_attention(tier: "HostTier", req_ids: list[str], layer: int, q: torch.
         v_host = torch.where(hit.mask[..., None], hit.v, v_host)
         mask = mask | hit.mask
     stats.attended_tokens += int(res_len.sum()) * q.shape[1] + int(mask.sum())
+    stats.decode_rows += q.shape[0]
     return attend_resident_and_host(q, k_res, v_res, res_len, k_host, v_host, mask, scale)
 
 
@@ -249,6 +250,7 @@ class TransferStats:
     bytes_offloaded: int = 0
     bytes_fetched: int = 0
     fetch_steps: int = 0         # (layer, row) fetches, speculative or on demand
+    decode_rows: int = 0         # (layer, row) attended over resident + host
     # Speculation, per (layer, row, query head, entry), at layers that had a prefetch:
     prefetch_needed: int = 0     # entries the layer's own query selected
     entries_speculated: int = 0  # entries the prefetch brought
