@@ -149,7 +149,7 @@ class Fetched:
 def take_prefetched(sel: torch.Tensor, pre: Fetched) -> Fetched:
     """The entries of sel (R, H_q, K) that pre already holds (same rows)."""
     r, hq, kp = pre.sel.shape
-    n = int(max(int(sel.max()), int(pre.sel.max()))) + 1 if sel.numel() and kp else 0
+    n = max(int(sel.max()), int(pre.sel.max())) + 1 if sel.numel() and kp else 0
     # where[r, h, e]: e's position in pre's row (r, h), -1 if pre lacks it
     where = torch.full((r, hq, n + 1), -1, dtype=torch.int64)
     src = torch.where(pre.mask, pre.sel, n)  # absent entries land in the spare slot n

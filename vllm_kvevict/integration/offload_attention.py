@@ -73,9 +73,19 @@ class DecodeRows:
     """The decode rows of this step whose requests have host entries.
 
     tokens (R,) their query rows; seq (R,) resident lengths with the current
-    token; ids their request ids; table (R, nblk) their block tables."""
+    token; ids their request ids; table (R, nblk) their block tables.
+    Use ``of_step``: every layer of a step shares one attention metadata, and
+    host entries change only between steps, so one instance serves them all."""
+
+    @classmethod
+    def of_step(cls, state, attn_metadata, layout) -> "DecodeRows":
+        rows = state.decode_rows
+        if rows is None or rows.metadata is not attn_metadata:
+            rows = state.decode_rows = cls(state, attn_metadata, layout)
+        return rows
 
     def __init__(self, state, attn_metadata, layout) -> None:
+        self.metadata = attn_metadata  # held, so `is` above cannot match a reused id
         self.ids: list[str] = []
         host = state.host
         if host is None or not host.requests or state.runner is None:
@@ -107,7 +117,7 @@ class DecodeRows:
 
 def host_decode(state, layer, query, kv_cache, attn_metadata, output, layout) -> None:
     """Replace the output rows of decode requests that have host entries."""
-    rows = DecodeRows(state, attn_metadata, layout)
+    rows = DecodeRows.of_step(state, attn_metadata, layout)
     prefetched, state.prefetched = state.prefetched, None  # this layer's, used once
     if not rows.ids:
         return
@@ -128,10 +138,11 @@ def host_decode(state, layer, query, kv_cache, attn_metadata, output, layout) ->
 def host_prefetch(state, layer: int, predict, kv_cache, attn_metadata, layout, scale: float):
     """Speculate layer `layer` for this step's rows and fetch ahead.
 
-    predict: tokens (R,) -> (R, H_q, D) predicted post-RoPE queries. Returns (row ids, offload.Fetched) or None when no row needs it.
+    predict: tokens (R,) -> (R, H_q, D) predicted post-RoPE queries. Returns
+    (row ids, offload.Fetched) or None when no row needs it.
     The current token's K is not in the cache yet (its layer has not run),
     so speculation sees the resident cache without it, as in the paper."""
-    rows = DecodeRows(state, attn_metadata, layout)
+    rows = DecodeRows.of_step(state, attn_metadata, layout)
     if not rows.ids:
         return None
     k_res, _ = rows.resident(kv_cache, layout)

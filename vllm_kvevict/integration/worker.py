@@ -110,6 +110,7 @@ class WorkerEviction:
         self.model_dir: str | None = None  # for the skewing of offload (set at init)
         self.host = None  # HostTier (offload_attention.host_tier), made on first use
         self.prefetched = None  # (row ids, Fetched) for the layer about to run (connector)
+        self.decode_rows = None  # offload_attention.DecodeRows of the current step
 
     # --- registration ---------------------------------------------------------
 
