@@ -4,15 +4,12 @@ completion, and print the eviction series on /metrics 300 tokens in.
     python examples/metrics_scrape.py [MODEL]
 """
 
-import os
 import sys
 
 import requests
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from server import Server  # noqa: E402  (the tests' loopback server launcher)
-
-from vllm_kvevict.models import ensure_smollm2  # noqa: E402
+from vllm_kvevict.eval.server import Server  # the loopback `vllm serve` the tests use
+from vllm_kvevict.models import ensure_smollm2
 
 model = sys.argv[1] if len(sys.argv) > 1 else ensure_smollm2()
 with Server(model, "--kv-eviction", "h2o", "--kv-budget", "64") as srv:

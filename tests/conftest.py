@@ -1,7 +1,19 @@
-"""Shared fixtures: the real converted SmolLM2 model and in-process engines."""
+"""Shared fixtures: the real converted SmolLM2 model, in-process engines shared
+across tests, stock vLLM's greedy tokens, one transformers model.
+
+Engines are the suite's cost (an engine start is seconds; a `vllm serve` is
+three Python processes importing vLLM): `engines.get(**settings)` hands out
+one in-process engine per distinct configuration and reuses it for every test
+that asks for the same settings. Only one is alive at a time (the worker's
+eviction state and vLLM's parallel groups are per process), so tests that
+share a configuration sit next to each other in a file.
+"""
 
 import gc
+import json
 import os
+import subprocess
+import sys
 
 # In-process engine core: tests read vLLM's own BlockPool and the worker state.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -14,6 +26,10 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() and not os.path.exists
 
 import pytest
 
+from vllm_kvevict.eval.server import kv_pool_bytes, native_dtype
+
+HERE = os.path.dirname(__file__)
+
 PROMPTS = [
     "Write a detailed story about a lighthouse keeper who finds a message in a bottle.",
     "Explain, step by step, how a CPU executes an instruction.",
@@ -21,6 +37,21 @@ PROMPTS = [
     "kinds of works. Summarize what copyleft means.",
     "List ten ideas for a science fair project.",
 ]
+
+# The dtype the CPU computes natively: bfloat16 where it has avx512_bf16,
+# float32 elsewhere (bf16 prefill is ~2x slower than fp32 on AVX2-only CPUs,
+# measured with scripts/measure). Token identity holds in either; tests that
+# need one dtype say so (and test_engine.py keeps a bf16 identity run).
+DTYPE = native_dtype()
+STOCK_TOKENS = 160  # greedy tokens per prompt in the session's stock runs
+
+
+kv_bytes = kv_pool_bytes  # the suite's KV pool in a dtype: the same blocks as 96 MiB of bf16
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: runs that repeat what the default tier proves "
+                                       "(opt-in: pytest -m slow)")
 
 
 @pytest.fixture(scope="session")
@@ -35,8 +66,8 @@ def make_llm(model_path, **kwargs):
 
     kwargs.setdefault("block_size", 32)
     kwargs.setdefault("max_model_len", 2048)
-    kwargs.setdefault("kv_cache_memory_bytes", 96 << 20)
-    kwargs.setdefault("dtype", "bfloat16")
+    kwargs.setdefault("dtype", DTYPE)
+    kwargs.setdefault("kv_cache_memory_bytes", kv_bytes(kwargs["dtype"]))
     return LLM(model_path, enforce_eager=True, seed=0, **kwargs)
 
 
@@ -45,3 +76,72 @@ def close(llm):
     down vLLM's process-global parallel groups under the next engine."""
     llm.llm_engine.engine_core.shutdown()
     gc.collect()
+
+
+class Engines:
+    """One live in-process engine, reused while tests ask for the same settings."""
+
+    def __init__(self, model_path: str):
+        self.model_path = model_path
+        self.key = None
+        self.llm = None
+        self.started = 0
+
+    def get(self, **settings):
+        key = json.dumps(settings, sort_keys=True)
+        if key != self.key:
+            self.close()
+            self.llm = make_llm(self.model_path, **settings)
+            self.key = key
+            self.started += 1
+        return self.llm
+
+    def close(self):
+        if self.llm is not None:
+            llm, self.llm, self.key = self.llm, None, None
+            close(llm)
+
+
+@pytest.fixture(scope="session")
+def engines(model_path):
+    pool = Engines(model_path)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def fresh_engines(engines):
+    """For a test that builds an engine of its own: the shared one is closed first."""
+    engines.close()
+    return engines
+
+
+_STOCK: dict = {}
+
+
+def stock_ids(model_path: str, dtype: str) -> list[list[int]]:
+    """Stock vLLM's greedy tokens for PROMPTS (STOCK_TOKENS each, ignore_eos), in
+    a subprocess with the plugin not loaded at all (VLLM_PLUGINS=""); once per
+    dtype per session."""
+    if dtype not in _STOCK:
+        proc = subprocess.run(
+            [sys.executable, os.path.join(HERE, "stock_generate.py"), model_path,
+             str(STOCK_TOKENS), "32", dtype, str(kv_bytes(dtype))],
+            input=json.dumps(PROMPTS), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        ids = json.loads(proc.stdout.split("IDS=")[-1])
+        assert [len(x) for x in ids] == [STOCK_TOKENS] * len(PROMPTS)
+        _STOCK[dtype] = ids
+    return _STOCK[dtype]
+
+
+@pytest.fixture(scope="session")
+def hf(model_path):
+    """SmolLM2 in transformers (float32, eager attention: the dense references
+    read its attention modules) and its tokenizer, loaded once per session."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    return model, AutoTokenizer.from_pretrained(model_path)

@@ -1,6 +1,8 @@
 """Greedy token ids from stock vLLM with our plugin disabled (VLLM_PLUGINS="").
 
-    python tests/stock_generate.py MODEL MAX_TOKENS BLOCK_SIZE < prompts.json > ids.json
+    python tests/stock_generate.py MODEL MAX_TOKENS BLOCK_SIZE DTYPE KV_BYTES < prompts.json > ids.json
+
+Every request generates MAX_TOKENS tokens (ignore_eos).
 """
 
 import json
@@ -12,9 +14,11 @@ if __name__ == "__main__":
     from vllm import LLM, SamplingParams
 
     model, max_tokens, block_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    dtype, kv_bytes = sys.argv[4], int(sys.argv[5])
     prompts = json.load(sys.stdin)
-    llm = LLM(model, enforce_eager=True, dtype="bfloat16", seed=0, block_size=block_size,
-              max_model_len=2048, kv_cache_memory_bytes=96 << 20)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    llm = LLM(model, enforce_eager=True, dtype=dtype, seed=0, block_size=block_size,
+              max_model_len=2048, kv_cache_memory_bytes=kv_bytes)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                ignore_eos=True))
     assert "vllm_kvevict" not in sys.modules, "plugin loaded despite VLLM_PLUGINS=''"
     print("IDS=" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))

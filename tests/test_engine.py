@@ -1,48 +1,86 @@
 """The real engine: SmolLM2-135M through vLLM with the plugin, checked through
-vLLM's own block pool."""
+vLLM's own block pool.
 
-import json
-import os
-import subprocess
-import sys
+One engine per policy serves most tests (conftest.Engines): its server budget
+(256) is at least every identity prompt's length, and the tests that evict ask
+for less per request (`extra_args={"kv_budget": 64}`), as a user of a server
+would. Counters read from vLLM's KV managers are cumulative over the engine's
+life, so tests compare them before and after their own requests.
+"""
 
 import pytest
-from conftest import PROMPTS, close, make_llm
+from conftest import DTYPE, PROMPTS, STOCK_TOKENS, close, make_llm, stock_ids
 
 from vllm_kvevict.planner import max_blocks_per_request
 
-HERE = os.path.dirname(__file__)
+SERVER_BUDGET = 256  # >= every PROMPT + STOCK_TOKENS (at most 28 + 160)
 
 
-def greedy(max_tokens, **kw):
+def engine_settings(policy: str, **extra) -> dict:
+    """The shared engine of `policy`: 256-token prefill chunks (so long prompts
+    are compacted between chunks), prefix caching off for h2o (its chunked-prefill
+    and abort tests count every block)."""
+    kw = dict(max_num_batched_tokens=256,
+              additional_config={"kv_eviction": policy, "kv_budget": SERVER_BUDGET, **extra})
+    if policy == "h2o":
+        kw["enable_prefix_caching"] = False
+    return kw
+
+
+H2O = engine_settings("h2o")
+
+
+def greedy(max_tokens, budget=None, **kw):
     from vllm import SamplingParams
 
+    if budget is not None:
+        kw["extra_args"] = {"kv_budget": budget}
     return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
 
 
-def test_budget_above_length_is_token_identical_to_stock(model_path):
+def totals(probe) -> tuple[int, int]:
+    """(tokens evicted, compactions) so far, summed over vLLM's KV managers."""
+    managers = probe.managers()
+    return (sum(m.num_tokens_evicted for m in managers),
+            sum(m.num_compactions for m in managers))
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "andpro"])
+def test_budget_above_length_is_token_identical_to_stock(engines, model_path, policy):
     """Budget >= sequence length: no eviction, and the plugin's path (own KV write,
-    scoring) must not change a single token versus vLLM without the plugin."""
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "stock_generate.py"), model_path, "96", "32"],
-        input=json.dumps(PROMPTS), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    stock = json.loads(proc.stdout.split("IDS=")[-1])
-    for policy in ("h2o", "snapkv", "andpro"):
-        llm = make_llm(model_path, additional_config={"kv_eviction": policy, "kv_budget": 2048})
-        ours = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy(96))]
-        close(llm)
-        assert ours == stock, policy
-
-
-@pytest.fixture(scope="module")
-def h2o_engine(model_path):
+    scoring) must not change a single token versus vLLM without the plugin
+    (stock: a subprocess with VLLM_PLUGINS="", once per session)."""
     from vllm_kvevict.integration.probe import attach
 
-    llm = make_llm(model_path, max_num_batched_tokens=256, enable_prefix_caching=False,
-                   additional_config={"kv_eviction": "h2o", "kv_budget": 64})
-    yield llm, attach(llm)
-    close(llm)
+    llm = engines.get(**engine_settings(policy))
+    probe = attach(llm)
+    before = totals(probe)
+    ours = [list(o.outputs[0].token_ids)
+            for o in llm.generate(PROMPTS, greedy(STOCK_TOKENS, ignore_eos=True), use_tqdm=False)]
+    assert totals(probe) == before  # nothing evicted: the comparison is about the path
+    assert ours == stock_ids(model_path, DTYPE), policy
+
+
+def test_budget_above_length_is_token_identical_to_stock_in_bfloat16(fresh_engines, model_path):
+    """The same in bfloat16 (what users serve), whatever the CPU's native dtype:
+    the bf16 KV layouts and kernels, end to end, for the policy that scores
+    every step."""
+    llm = make_llm(model_path, dtype="bfloat16", additional_config={
+        "kv_eviction": "h2o", "kv_budget": SERVER_BUDGET})
+    try:
+        ours = [list(o.outputs[0].token_ids) for o in
+                llm.generate(PROMPTS, greedy(STOCK_TOKENS, ignore_eos=True), use_tqdm=False)]
+    finally:
+        close(llm)
+    assert ours == stock_ids(model_path, "bfloat16")
+
+
+@pytest.fixture
+def h2o_engine(engines):
+    from vllm_kvevict.integration.probe import attach
+
+    llm = engines.get(**H2O)
+    return llm, attach(llm)
 
 
 def _pool_is_whole(probe):
@@ -54,10 +92,11 @@ def test_decode_blocks_stay_bounded_and_return_to_pool(h2o_engine):
     ceil((64+32)/32)+1 blocks according to vLLM's req_to_blocks, blocks really
     go back to the BlockPool, and the pool is whole once the engine is idle."""
     llm, probe = h2o_engine
-    outs = llm.generate(PROMPTS, greedy(300, ignore_eos=True))
+    evicted0, _ = totals(probe)
+    outs = llm.generate(PROMPTS, greedy(300, 64, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 300 for o in outs)
     assert probe.max_blocks_per_request <= max_blocks_per_request(64, 32)
-    evicted = sum(m.num_tokens_evicted for m in probe.managers())
+    evicted = totals(probe)[0] - evicted0
     assert evicted >= len(PROMPTS) * 200
     assert _pool_is_whole(probe)
 
@@ -66,11 +105,10 @@ def test_chunked_prefill_of_a_prompt_longer_than_the_budget(h2o_engine):
     """A 1,500-token prompt, prefilled in 256-token chunks with eviction between
     chunks, never holds more than budget + one chunk (+ the partial block)."""
     llm, probe = h2o_engine
-    probe.max_blocks_per_request = 0
     text = open("/usr/share/common-licenses/GPL-3").read()
     tok = llm.get_tokenizer()
     ids = tok(text)["input_ids"][:1500]
-    out = llm.generate([{"prompt_token_ids": ids}], greedy(20))[0]
+    out = llm.generate([{"prompt_token_ids": ids}], greedy(20, 64), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 20
     assert probe.max_blocks_per_request <= -(-(64 + 256) // 32) + 1
     assert _pool_is_whole(probe)
@@ -80,7 +118,7 @@ def test_aborted_requests_free_everything(h2o_engine):
     """Requests aborted mid-decode give every block back."""
     llm, probe = h2o_engine
     engine = llm.llm_engine
-    params = greedy(400, ignore_eos=True)
+    params = greedy(400, 64, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"abort-{i}", prompt, params)
     for _ in range(120):  # well past several compactions
@@ -105,10 +143,54 @@ def test_requests_that_never_exceed_the_budget_are_not_scored(h2o_engine):
         for lc in state.layers.values():
             lc.scores.zero_()
     ids = llm.get_tokenizer()(PROMPTS[0])["input_ids"][:20]
-    llm.generate([{"prompt_token_ids": ids}], greedy(30, ignore_eos=True))
+    llm.generate([{"prompt_token_ids": ids}], greedy(30, 64, ignore_eos=True), use_tqdm=False)
     assert sum(float(lc.scores.abs().sum()) for lc in state.layers.values()) == 0
-    llm.generate([{"prompt_token_ids": ids}], greedy(60, ignore_eos=True))
+    llm.generate([{"prompt_token_ids": ids}], greedy(60, 64, ignore_eos=True), use_tqdm=False)
     assert sum(float(lc.scores.abs().sum()) for lc in state.layers.values()) > 0
+
+
+def _h2o_kept_sets(llm, defer: bool):
+    """Greedy tokens and every compaction's kept positions under H2O at budget 64,
+    keyed by the request's place in the batch."""
+    from vllm_kvevict.integration import worker as worker_mod
+
+    state = worker_mod.worker_state()
+    state.record_kept = True
+    kept = []
+
+    def spy(plan, compact=state._compact):
+        compact(plan)
+        index = int(plan.req_id.split("-")[0])  # vLLM ids: "<index>-<random suffix>"
+        kept.append((index, plan.logical_len, state.kept[plan.req_id].positions.clone()))
+
+    state._compact = spy
+    if not defer:
+        state.place_queries = lambda *args: None  # score every step at once
+    try:
+        outs = [list(o.outputs[0].token_ids) for o in
+                llm.generate(PROMPTS, greedy(160, 64, ignore_eos=True), use_tqdm=False)]
+    finally:
+        del state._compact  # back to the class's methods
+        if not defer:
+            del state.place_queries
+        state.record_kept = False
+    first = min(k[0] for k in kept)  # the engine numbers requests across calls
+    return outs, sorted(((i - first, n, p) for i, n, p in kept), key=lambda k: (k[0], k[1]))
+
+
+def test_deferred_decode_scoring_equals_scoring_every_step(h2o_engine):
+    """The CPU path scores decode queries up to 16 steps at a time (DecodeQueryLog).
+    It must keep the same tokens, per layer and KV head, as scoring each step's
+    queries at once, through every compaction of a batch, and generate the same text."""
+    llm, _ = h2o_engine
+    outs_d, kept_d = _h2o_kept_sets(llm, defer=True)
+    outs_e, kept_e = _h2o_kept_sets(llm, defer=False)
+    assert len(kept_d) == len(kept_e) >= len(PROMPTS) * 3
+    for (rd, ld, pd), (re_, le, pe) in zip(kept_d, kept_e):
+        assert (rd, ld) == (re_, le)
+        same = (pd.sort(dim=-1).values == pe.sort(dim=-1).values).all(dim=-1)
+        assert same.float().mean() > 0.99, (rd, ld)  # float summation order aside
+    assert outs_d == outs_e
 
 
 def test_bad_settings_stop_engine_startup(model_path):
@@ -124,7 +206,7 @@ def test_bad_settings_stop_engine_startup(model_path):
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "andpro"])
-def test_window_policies_bound_blocks_and_free_everything(model_path, policy):
+def test_window_policies_bound_blocks_and_free_everything(engines, policy):
     """A 700-token prompt in 256-token chunks and 200 decode tokens at budget 96:
     every compaction is scored from a full window, each request stays within
     the block bound (vLLM's req_to_blocks), and pool and query ring are empty
@@ -133,19 +215,17 @@ def test_window_policies_bound_blocks_and_free_everything(model_path, policy):
     from vllm_kvevict.integration.worker import worker_state
 
     text = open("/usr/share/common-licenses/GPL-3").read()
-    llm = make_llm(model_path, max_num_batched_tokens=256,
-                   additional_config={"kv_eviction": policy, "kv_budget": 96})
+    llm = engines.get(**engine_settings(policy))
     probe, state = attach(llm), worker_state()
+    windowless0, (evicted0, compactions0) = state.num_windowless, totals(probe)
     prompts = [{"prompt_token_ids": llm.get_tokenizer()(text[i * 3000:])["input_ids"][:700]}
                for i in range(3)]
-    outs = llm.generate(prompts, greedy(200, ignore_eos=True), use_tqdm=False)
-    evicted = sum(m.num_tokens_evicted for m in probe.managers())
-    compactions = sum(m.num_compactions for m in probe.managers())
+    outs = llm.generate(prompts, greedy(200, 96, ignore_eos=True), use_tqdm=False)
+    evicted, compactions = (n - n0 for n, n0 in zip(totals(probe), (evicted0, compactions0)))
     # Workers hear of finished requests with the next step: run one more (a
     # request that can never exceed the budget logs nothing itself).
     llm.generate(["Hi"], greedy(4), use_tqdm=False)
-    windowless, ring = state.num_windowless, dict(state.query_window.row_of)
-    close(llm)
+    windowless, ring = state.num_windowless - windowless0, dict(state.query_window.row_of)
     assert all(len(o.outputs[0].token_ids) == 200 for o in outs)
     assert probe.max_blocks_per_request <= max_blocks_per_request(96 + 256 - 32, 32)
     assert evicted >= 3 * (900 - 96 - 32) and compactions >= 3 * 8
@@ -153,82 +233,48 @@ def test_window_policies_bound_blocks_and_free_everything(model_path, policy):
     assert _pool_is_whole(probe)
 
 
-def test_streaming_keeps_exactly_sinks_and_recent_and_prefix_caching_is_safe(model_path):
+def test_streaming_keeps_exactly_sinks_and_recent_and_prefix_caching_is_safe(engines):
     """StreamingLLM: after each compaction every (layer, head) holds exactly the
     first 4 logical positions and the newest ones. With prefix caching on, two
     requests sharing a long prompt produce the same tokens as with it off: shared
     prompt blocks are never written in place by compaction."""
+    import torch
+
     from vllm_kvevict.integration import worker as worker_mod
 
     shared = open("/usr/share/common-licenses/GPL-3").read()[:1200]
     prompts = [shared + "\nQuestion: what is this?", shared + "\nQuestion: who wrote it?"]
     results = {}
     for caching in (False, True):
-        llm = make_llm(model_path, enable_prefix_caching=caching,
-                       additional_config={"kv_eviction": "streaming", "kv_budget": 96})
+        llm = engines.get(enable_prefix_caching=caching,
+                          additional_config={"kv_eviction": "streaming", "kv_budget": 96})
         state = worker_mod.worker_state()
         state.record_kept = True
         seen = []
-        compact = state._compact
 
-        def spy(plan, compact=compact, seen=seen, state=state):
+        def spy(plan, compact=state._compact, seen=seen, state=state):
             compact(plan)
             seen.append((plan, state.kept[plan.req_id].positions.clone()))
 
         state._compact = spy
-        outs = []
-        for p in prompts:  # one after the other: the second hits the prefix cache
-            outs.append(list(llm.generate([p], greedy(120, ignore_eos=True))[0].outputs[0].token_ids))
+        try:
+            outs = []
+            for p in prompts:  # one after the other: the second hits the prefix cache
+                out = llm.generate([p], greedy(120, ignore_eos=True), use_tqdm=False)[0]
+                outs.append(list(out.outputs[0].token_ids))
+        finally:
+            del state._compact
+            state.record_kept = False
         results[caching] = outs
         assert seen
         for plan, kept in seen:
             want = list(range(4)) + list(range(plan.logical_len - (plan.new_len - 4),
                                                plan.logical_len))
-            assert (kept == __import__("torch").tensor(want)).all(), plan
-        close(llm)
+            assert (kept == torch.tensor(want)).all(), plan
     assert results[True] == results[False]
 
 
-def _h2o_kept_sets(model_path, defer: bool):
-    """Greedy tokens and every compaction's kept positions under H2O."""
-    from vllm_kvevict.integration import worker as worker_mod
-
-    llm = make_llm(model_path, enable_prefix_caching=False,
-                   additional_config={"kv_eviction": "h2o", "kv_budget": 64})
-    state = worker_mod.worker_state()
-    state.record_kept = True
-    if not defer:
-        state.place_queries = lambda *args: None  # score every step at once
-    kept = []
-    compact = state._compact
-
-    def spy(plan):
-        compact(plan)
-        index = int(plan.req_id.split("-")[0])  # vLLM ids: "<index>-<random suffix>"
-        kept.append((index, plan.logical_len, state.kept[plan.req_id].positions.clone()))
-
-    state._compact = spy
-    outs = [list(o.outputs[0].token_ids)
-            for o in llm.generate(PROMPTS, greedy(160, ignore_eos=True))]
-    close(llm)
-    return outs, sorted(kept, key=lambda k: (k[0], k[1]))
-
-
-def test_deferred_decode_scoring_equals_scoring_every_step(model_path):
-    """The CPU path scores decode queries up to 16 steps at a time (DecodeQueryLog).
-    It must keep the same tokens, per layer and KV head, as scoring each step's
-    queries at once, through every compaction of a batch, and generate the same text."""
-    outs_d, kept_d = _h2o_kept_sets(model_path, defer=True)
-    outs_e, kept_e = _h2o_kept_sets(model_path, defer=False)
-    assert len(kept_d) == len(kept_e) >= len(PROMPTS) * 3
-    for (rd, ld, pd), (re_, le, pe) in zip(kept_d, kept_e):
-        assert (rd, ld) == (re_, le)
-        same = (pd.sort(dim=-1).values == pe.sort(dim=-1).values).all(dim=-1)
-        assert same.float().mean() > 0.99, (rd, ld)  # float summation order aside
-    assert outs_d == outs_e
-
-
-def test_preemption_under_eviction_gives_every_block_back(model_path):
+def test_preemption_under_eviction_gives_every_block_back(fresh_engines, model_path):
     """A pool of 12 blocks for 6 requests that each need up to 4 under H2O
     (budget 64): vLLM preempts and later re-prefills some of them. Every request
     still finishes at full length, the per-request bound holds, queries logged
@@ -236,19 +282,20 @@ def test_preemption_under_eviction_gives_every_block_back(model_path):
     from vllm_kvevict.integration.probe import attach
     from vllm_kvevict.integration.worker import worker_state
 
+    token_bytes = 30 * 3 * 64 * 2 * (4 if DTYPE == "float32" else 2)  # SmolLM2: K+V, 30 layers
     llm = make_llm(model_path, max_num_batched_tokens=128, enable_prefix_caching=False,
-                   kv_cache_memory_bytes=12 * 32 * 23040,  # 12 blocks of SmolLM2 bf16
+                   kv_cache_memory_bytes=12 * 32 * token_bytes,  # 12 blocks
                    additional_config={"kv_eviction": "h2o", "kv_budget": 64})
     probe = attach(llm)
     assert probe.block_pool.num_gpu_blocks - 1 <= 12
     prompts = (PROMPTS + PROMPTS)[:6]
-    outs = llm.generate(prompts, greedy(200, ignore_eos=True))
+    outs = llm.generate(prompts, greedy(200, ignore_eos=True), use_tqdm=False)
     assert probe.used_blocks() == 0
     ids = {o.request_id for o in outs}  # the engine's ids add "-<random suffix>"
     known = lambda log: {r.split("-")[0] for r in log.row_of} & ids  # noqa: E731
     assert known(worker_state().decode_log)  # the last finisher, until the next step
     # Workers hear of finished requests with the next step: run one more.
-    llm.generate(PROMPTS[:1], greedy(2))
+    llm.generate(PROMPTS[:1], greedy(2), use_tqdm=False)
     leftover = known(worker_state().decode_log)
     close(llm)
     assert all(len(o.outputs[0].token_ids) == 200 for o in outs)
@@ -256,4 +303,3 @@ def test_preemption_under_eviction_gives_every_block_back(model_path):
     bound = max(max_blocks_per_request(64, 32), -(-(64 + 128) // 32) + 1)  # decode / prefill
     assert probe.max_blocks_per_request <= bound
     assert not leftover, "finished requests left queries in the log"
-

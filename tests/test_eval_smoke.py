@@ -9,6 +9,7 @@ process; about a minute on 2 idle cores). Needs the texts from the setup step
 import json
 
 import pytest
+from conftest import DTYPE
 
 from vllm_kvevict.eval.texts import ALL_TEXTS, texts_dir
 
@@ -24,7 +25,8 @@ def smoke(tmp_path_factory, model_path):
     from vllm_kvevict.eval.__main__ import main
 
     out = tmp_path_factory.mktemp("eval-smoke")
-    assert main(["--config", "smoke", "--policies", "none", *POLICIES, "--out", str(out)]) == 0
+    assert main(["--config", "smoke", "--policies", "none", *POLICIES, "--out", str(out),
+                 "--dtype", DTYPE]) == 0
     rows = json.loads((out / "results.json").read_text())["rows"]
     return out, rows
 

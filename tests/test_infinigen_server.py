@@ -2,7 +2,7 @@
 suite's small pool and eager mode): a real server offloads and answers."""
 
 import pytest
-from server import Server
+from vllm_kvevict.eval.server import Server
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,7 @@ a budget that evicts. Afterwards vLLM's own accounting must show the pool whole
 carry another request's code word, and nothing may fail. Timings are not
 asserted (they live in the benchmark's table)."""
 
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import load  # noqa: E402
+from vllm_kvevict.eval import load
 
 
 def test_load_leaves_pool_whole_and_requests_apart(model_path):

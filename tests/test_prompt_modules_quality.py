@@ -17,15 +17,12 @@ this 135M model, not a plugin bug. This test guards the regime where the
 method holds.
 """
 
-import os
-import sys
 import time
 
 import pytest
 from conftest import close, make_llm
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import prompt_modules_quality as Q  # noqa: E402
+from vllm_kvevict.eval import prompt_modules_quality as Q
 
 GEN = Q.CONFIGS["default"]["niah"]["gen"]  # the benchmark's instances; the first N_INSTANCES
 N_INSTANCES = 6  # ~2 minutes on 2 busy cores; each costs two 1K-token prefills

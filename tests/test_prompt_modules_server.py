@@ -10,7 +10,7 @@ import time
 
 import pytest
 import requests
-from server import Server
+from vllm_kvevict.eval.server import Server
 from test_prompt_modules import PROMPT, SCHEMA
 
 ENV = {"VLLM_PLUGINS": "kvevict,kvevict_modules"}  # endpoint plugins are opt-in in vLLM

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import requests
-from server import Server
+from vllm_kvevict.eval.server import Server
 
 BUDGET = 64
 REFERENCE = "The history of the lighthouse began"

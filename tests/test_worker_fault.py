@@ -44,7 +44,7 @@ import time
 
 import pytest
 import requests
-from server import Server
+from vllm_kvevict.eval.server import Server
 
 PROMPT = "Write a very long story about a lighthouse keeper and the sea."
 MAX_TOKENS = 400

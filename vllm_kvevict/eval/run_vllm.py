@@ -42,6 +42,7 @@ class EngineSpec:
     kv_pool_mib: KV cache size in MiB (the full-cache engine queues or preempts
         requests when it runs out; evicting engines hold far less).
     chunk_tokens: max_num_batched_tokens, i.e. the chunked-prefill chunk size.
+    dtype: model and KV dtype.
     """
 
     model_dir: str
@@ -49,6 +50,7 @@ class EngineSpec:
     kv_pool_mib: int = 512
     chunk_tokens: int = 512
     block_size: int = 32
+    dtype: str = "bfloat16"
 
 
 def build_llm(spec: EngineSpec, policy: str, budget: float):
@@ -57,7 +59,7 @@ def build_llm(spec: EngineSpec, policy: str, budget: float):
     extra = {"kv_eviction": policy}
     if policy != "none":
         extra["kv_budget"] = float(budget)  # a float is a fraction, even 1.0
-    return LLM(spec.model_dir, enforce_eager=True, dtype="bfloat16", seed=0,
+    return LLM(spec.model_dir, enforce_eager=True, dtype=spec.dtype, seed=0,
                block_size=spec.block_size, max_model_len=spec.max_model_len,
                kv_cache_memory_bytes=spec.kv_pool_mib << 20,
                enable_chunked_prefill=True, max_num_batched_tokens=spec.chunk_tokens,

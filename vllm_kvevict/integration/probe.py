@@ -57,9 +57,14 @@ class BlockProbe:
 
 
 def attach(llm, probe_cls: type[BlockProbe] = BlockProbe) -> BlockProbe:
+    """A new probe on `llm`'s scheduler, sampling from the next step on. Attaching
+    again (a shared engine, the next test) replaces the previous probe rather
+    than stacking another wrapper on it."""
     sched = scheduler_of(llm)
     probe = probe_cls(sched)
-    schedule, preempt = sched.schedule, sched._preempt_request
+    if "_unprobed" not in vars(sched):
+        sched._unprobed = (sched.schedule, sched._preempt_request)
+    schedule, preempt = sched._unprobed
 
     def sampled_schedule(*args, **kwargs):
         out = schedule(*args, **kwargs)
