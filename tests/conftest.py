@@ -44,14 +44,22 @@ PROMPTS = [
 # need one dtype say so (and test_engine.py keeps a bf16 identity run).
 DTYPE = native_dtype()
 STOCK_TOKENS = 160  # greedy tokens per prompt in the session's stock runs
+SERVER_BUDGET = 256  # the shared policy engines' --kv-budget: >= every PROMPT + STOCK_TOKENS
+
+
+def engine_settings(policy: str, **extra) -> dict:
+    """The shared engine of `policy` (conftest.Engines): server budget 256 (tests
+    that evict ask for less per request, `extra_args={"kv_budget": 64}`), 256-token
+    prefill chunks (long prompts are compacted between chunks), prefix caching off
+    for h2o (its chunked-prefill and abort tests count every block)."""
+    kw = dict(max_num_batched_tokens=256,
+              additional_config={"kv_eviction": policy, "kv_budget": SERVER_BUDGET, **extra})
+    if policy == "h2o":
+        kw["enable_prefix_caching"] = False
+    return kw
 
 
 kv_bytes = kv_pool_bytes  # the suite's KV pool in a dtype: the same blocks as 96 MiB of bf16
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: runs that repeat what the default tier proves "
-                                       "(opt-in: pytest -m slow)")
 
 
 @pytest.fixture(scope="session")
@@ -133,6 +141,60 @@ def stock_ids(model_path: str, dtype: str) -> list[list[int]]:
         assert [len(x) for x in ids] == [STOCK_TOKENS] * len(PROMPTS)
         _STOCK[dtype] = ids
     return _STOCK[dtype]
+
+
+# The suite's plugin server: test_server.py, test_load.py and the plugin's first
+# server of test_worker_fault.py (which kills it: the next user gets a new one).
+H2O_SERVER_ARGS = ("--kv-eviction", "h2o", "--kv-budget", "64", "--max-num-seqs", "64")
+H2O_SERVER_FILES = ("test_load.py", "test_server.py", "test_worker_fault.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The files that use the shared h2o server run last, one after the other, so
+    the server is not running beside the in-process engines of other files
+    (two busy processes on two cores slow OpenMP regions many times over)."""
+    last = [it for it in items if it.path.name in H2O_SERVER_FILES]
+    if last:
+        order = {name: i for i, name in enumerate(H2O_SERVER_FILES)}
+        last.sort(key=lambda it: order[it.path.name])  # stable: file order kept within
+        items[:] = [it for it in items if it.path.name not in H2O_SERVER_FILES] + last
+
+
+class SharedServer:
+    """A `vllm serve` started on first use and kept for the session; started
+    again if a test has killed it."""
+
+    def __init__(self, model_path: str, *args: str):
+        self.model_path, self.args, self.server = model_path, args, None
+        self.started = 0
+
+    def get(self):
+        from vllm_kvevict.eval.server import Server
+
+        if self.server is None or self.server.proc.poll() is not None:
+            self.stop()
+            self.server = Server(self.model_path, *self.args)
+            self.server.start()
+            self.started += 1
+        return self.server
+
+    def stop(self):
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+@pytest.fixture(scope="session")
+def _h2o_server(model_path):
+    shared = SharedServer(model_path, *H2O_SERVER_ARGS)
+    yield shared
+    shared.stop()
+
+
+@pytest.fixture
+def h2o_server(_h2o_server):
+    """The shared h2o server (budget 64), running."""
+    return _h2o_server.get()
 
 
 @pytest.fixture(scope="session")

@@ -9,23 +9,10 @@ life, so tests compare them before and after their own requests.
 """
 
 import pytest
-from conftest import DTYPE, PROMPTS, STOCK_TOKENS, close, make_llm, stock_ids
+from conftest import (DTYPE, PROMPTS, SERVER_BUDGET, STOCK_TOKENS, close, engine_settings,
+                      make_llm, stock_ids)
 
 from vllm_kvevict.planner import max_blocks_per_request
-
-SERVER_BUDGET = 256  # >= every PROMPT + STOCK_TOKENS (at most 28 + 160)
-
-
-def engine_settings(policy: str, **extra) -> dict:
-    """The shared engine of `policy`: 256-token prefill chunks (so long prompts
-    are compacted between chunks), prefix caching off for h2o (its chunked-prefill
-    and abort tests count every block)."""
-    kw = dict(max_num_batched_tokens=256,
-              additional_config={"kv_eviction": policy, "kv_budget": SERVER_BUDGET, **extra})
-    if policy == "h2o":
-        kw["enable_prefix_caching"] = False
-    return kw
-
 
 H2O = engine_settings("h2o")
 

@@ -17,12 +17,14 @@ POLICIES = ("h2o", "streaming")
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory, model_path):
+def smoke(tmp_path_factory, model_path, engines):
     missing = [n for n in ALL_TEXTS if not (texts_dir() / f"{n}.txt").is_file()]
     if missing:
         pytest.fail(f"texts {missing} missing in {texts_dir()}: run "
                     "`python -m vllm_kvevict.eval.texts` (scripts/setup.sh does)")
     from vllm_kvevict.eval.__main__ import main
+
+    engines.close()  # the harness builds its engines in this process, one at a time
 
     out = tmp_path_factory.mktemp("eval-smoke")
     assert main(["--config", "smoke", "--policies", "none", *POLICIES, "--out", str(out),

@@ -34,10 +34,8 @@ def test_rdata_reads_a_named_character_vector():
 
 
 @pytest.fixture(scope="module")
-def tokenizer(model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path)
+def tokenizer(hf):
+    return hf[1]
 
 
 @pytest.fixture(scope="module")

@@ -191,16 +191,6 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf(model_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
-    return model, AutoTokenizer.from_pretrained(model_path)
-
-
-@pytest.fixture(scope="module")
 def prompts(hf):
     ps = _prompts(hf[1])
     assert all(BUDGET < len(p) <= 200 for p in ps), [len(p) for p in ps]
@@ -221,12 +211,12 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def llm(model_path):
-    pytest.importorskip("vllm")
+def llm(model_path, engines):
     from vllm import LLM
 
     from vllm_kvevict.integration.worker import worker_state
 
+    engines.close()  # one in-process engine at a time
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # keep the single thread
         engine = LLM(model_path, enforce_eager=True, dtype="float32", block_size=BLOCK,

@@ -14,10 +14,10 @@ TOKENS, BUDGET, BS = 200, 32, 16
 
 
 @pytest.fixture(scope="module")
-def smol(model_path):
+def smol(model_path, hf):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny per-token ops: one thread is far faster on a busy box
-    model, tok = sk.load_model(model_path)
+    model, tok = hf  # the session's SmolLM2 (conftest), what sk.load_model loads
     skew = sk.load_or_compute(model_path, model=model, tokenizer=tok, n_tokens=256,
                               doc="austen_emma")
     yield model, tok, skew

@@ -8,12 +8,12 @@ asserted (they live in the benchmark's table)."""
 from vllm_kvevict.eval import load
 
 
-def test_load_leaves_pool_whole_and_requests_apart(model_path):
+def test_load_leaves_pool_whole_and_requests_apart(h2o_server):
+    """On the suite's shared h2o server (conftest.H2O_SERVER_ARGS: budget 64,
+    --max-num-seqs 64)."""
     reqs = load.make_requests(40, cancel_frac=0.2, seed=1)
     assert any(r["cancel_after"] for r in reqs)
-    row = load.run_server("h2o@64", ["--kv-eviction", "h2o", "--kv-budget", "64",
-                                     "--max-num-seqs", "64"],
-                          False, model_path, reqs, solo=2, server_env={})
+    row = load.run_against("h2o@64", h2o_server, reqs, solo=2)
     assert row["failed"] == 0, row["errors"]
     assert row["completed"] + row["cancelled"] == len(reqs)
     assert row["cancelled"] == sum(bool(r["cancel_after"]) for r in reqs)

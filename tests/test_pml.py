@@ -590,21 +590,15 @@ def test_union_member_after_nested_union(tok):
 # --------------------------------------------------------------------------- real tokenizer
 
 
-def _smollm2_tokenizer():
-    from vllm_kvevict.models import default_model_dir
+def _smollm2_tokenizer(model_path):
+    import tokenizers
 
-    path = default_model_dir() / "SmolLM2-135M-Instruct"
-    if not (path / "config.json").is_file() or not (path / "tokenizer.json").is_file():
-        pytest.skip("SmolLM2 is not converted yet (ensure_smollm2() would convert it)")
-    from vllm_kvevict.models import ensure_smollm2
-
-    tokenizers = pytest.importorskip("tokenizers")
-    tk = tokenizers.Tokenizer.from_file(os.path.join(ensure_smollm2(), "tokenizer.json"))
+    tk = tokenizers.Tokenizer.from_file(os.path.join(model_path, "tokenizer.json"))
     return lambda text: tk.encode(text, add_special_tokens=False).ids
 
 
-def test_real_tokenizer_layout():
-    tokenize = _smollm2_tokenizer()
+def test_real_tokenizer_layout(model_path):
+    tokenize = _smollm2_tokenizer(model_path)
     schema = layout_schema(parse_schema(TRIP), tokenize)
     u = schema.units
     plan_text = tokenize("Plan a trip of ") + tokenize(" days.")

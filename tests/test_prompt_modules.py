@@ -9,7 +9,6 @@ vLLM's own BlockPool (ref_cnt, free queue), never from our counters.
 
 import pytest
 import torch
-from conftest import close, make_llm
 
 from vllm_kvevict.integration import prompt_modules as pm
 from vllm_kvevict.integration.probe import scheduler_of
@@ -29,11 +28,9 @@ PROMPT = '<prompt schema="people"><bob age="forty-two"/><alice/>Question: who ha
 
 
 @pytest.fixture(scope="module")
-def llm(model_path):
-    llm = make_llm(model_path, dtype="float32")
-    yield llm
+def llm(engines):
+    yield engines.get(dtype="float32")  # float32: compared with the dense reference
     pm.REGISTRY.schemas.clear()
-    close(llm)
 
 
 @pytest.fixture
@@ -42,15 +39,6 @@ def schema(llm):
     yield summary
     if "people" in pm.REGISTRY.schemas:
         pm.remove_schema(llm, "people")
-
-
-@pytest.fixture(scope="module")
-def hf(model_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
-    return model, AutoTokenizer.from_pretrained(model_path)
 
 
 def read_kv(worker, layer: int, block_ids: list[int]):

@@ -44,7 +44,7 @@ MIN_PLAIN = 0.7  # below this the test could not see a drop
 
 
 @pytest.fixture(scope="module")
-def cases(model_path):
+def cases(model_path, engines):
     from transformers import AutoTokenizer
 
     from vllm_kvevict.eval.texts import texts_dir
@@ -55,6 +55,7 @@ def cases(model_path):
     tok = AutoTokenizer.from_pretrained(model_path)
     insts = Q.build("niah", tok, GEN, (0,))[:N_INSTANCES]
     cases = Q.prepare("niah", insts, tok, (N_DOCS,))
+    engines.close()  # one in-process engine at a time
     llm = make_llm(model_path, dtype="float32", max_model_len=2048,
                    kv_cache_memory_bytes=POOL_MIB << 20)
     try:

@@ -4,25 +4,31 @@ A request may ask for less resident KV than the server's --kv-budget. Checked
 through vLLM's own accounting: the most blocks one request holds, read from the
 scheduler's KV manager (`BlockProbe`); and the metrics snapshot the scheduler
 writes for /metrics agrees with the manager's counters.
+
+The engine is the suite's shared h2o engine (conftest.engine_settings: server
+budget 256), so counters are compared before and after this file's requests.
 """
 
 import pytest
-from conftest import PROMPTS, close, make_llm
+from conftest import PROMPTS, SERVER_BUDGET, engine_settings
 
 from vllm_kvevict.integration.metrics import EvictionCollector
 from vllm_kvevict.integration.probe import attach
 from vllm_kvevict.planner import max_blocks_per_request
 
-SERVER_BUDGET = 256
 MAX_TOKENS = 200  # prompts are 9-28 tokens: 209-228 per request, under 256
 
 
+@pytest.fixture
+def llm(engines):
+    return engines.get(**engine_settings("h2o"))
+
+
 @pytest.fixture(scope="module")
-def llm(model_path):
-    llm = make_llm(model_path, additional_config={"kv_eviction": "h2o",
-                                                  "kv_budget": SERVER_BUDGET})
-    yield llm
-    close(llm)
+def at_64(engines):
+    """The tokens of a budget-64 run, once: every refused request below must leave
+    the engine producing exactly these."""
+    return _run(engines.get(**engine_settings("h2o")), {"kv_budget": 64})[1]
 
 
 def _run(llm, extra_args=None):
@@ -41,14 +47,15 @@ def _samples():
 
 
 def test_request_budget_bounds_its_blocks_and_shows_in_metrics(llm):
+    (manager,) = attach(llm).managers()
+    compactions0 = manager.num_compactions
     probe, _ = _run(llm)  # fits the server budget: never compacts
     assert probe.max_blocks_per_request > max_blocks_per_request(64, 32)
-    (manager,) = probe.managers()
-    assert manager.num_compactions == 0
+    assert manager.num_compactions == compactions0
 
     probe, ids = _run(llm, {"kv_budget": 64, "kv_recent": 16})
     assert probe.max_blocks_per_request <= max_blocks_per_request(64, 32)
-    assert manager.num_compactions > 0 and manager.num_blocks_freed > 0
+    assert manager.num_compactions > compactions0 and manager.num_blocks_freed > 0
     assert all(len(t) == MAX_TOKENS for t in ids)
 
     m = _samples()
@@ -70,15 +77,14 @@ def test_request_budget_bounds_its_blocks_and_shows_in_metrics(llm):
     ({"kv_budget": 64, "kv_recent": 128}, "must not exceed"),
     ({"kv_eviction": "streaming"}, "policy is a server setting"),
 ])
-def test_bad_request_budget_is_refused_and_changes_nothing(llm, extra, match):
+def test_bad_request_budget_is_refused_and_changes_nothing(llm, at_64, extra, match):
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError  # what vLLM's own checks raise
 
-    _, before = _run(llm, {"kv_budget": 64})
     with pytest.raises(VLLMValidationError, match=match):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, extra_args=extra),
                      use_tqdm=False)
     probe, after = _run(llm, {"kv_budget": 64})
-    assert after == before  # the engine serves on, same tokens
+    assert after == at_64  # the engine serves on, same tokens
     assert probe.used_blocks() == 0  # nothing left behind in vLLM's pool
 

@@ -2,12 +2,20 @@
 bad settings stop startup with the flag's name, and the eviction counters show
 on /metrics next to vLLM's own.
 
-One server for the module (engine start is ~25 s here). "Changes nothing" is
-checked three ways after every refused request: the server is healthy, a
+The server is the suite's shared h2o server (conftest.H2O_SERVER_ARGS: budget
+64; a server start is three processes importing vLLM, ~30 s). "Changes nothing"
+is checked three ways after every refused request: the server is healthy, a
 reference request returns the same text as before, and vLLM's own
 `vllm:kv_cache_usage_perc` is back to 0 (no block leaked).
+
+Bad startup settings are checked through the code `vllm serve` runs up to the
+engine start (its parser, its argument validation, EngineArgs and the engine
+config, with the plugin's hooks), in this process; two of them also as a real
+`vllm serve` that must exit naming the flag.
 """
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -15,16 +23,15 @@ import time
 
 import pytest
 import requests
-from vllm_kvevict.eval.server import Server
 
-BUDGET = 64
+BUDGET = 64  # conftest.H2O_SERVER_ARGS
 REFERENCE = "The history of the lighthouse began"
+SERVE_DEFAULTS = ("--block-size", "32", "--enforce-eager")
 
 
-@pytest.fixture(scope="module")
-def server(model_path):
-    with Server(model_path, "--kv-eviction", "h2o", "--kv-budget", str(BUDGET)) as srv:
-        yield srv
+@pytest.fixture
+def server(h2o_server):
+    return h2o_server
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +131,36 @@ def test_bad_input_gets_4xx_and_changes_nothing(server, reference_text, case):
     assert_unchanged(server, reference_text)
 
 
-@pytest.mark.parametrize("argv, message", [
+def serve_refusal(model: str, *argv: str) -> str | None:
+    """What `vllm serve MODEL ARGV` says when it refuses to start, through the
+    same steps as the command (vllm.entrypoints.cli.serve): the serve parser
+    (the plugin's flags included), validate_parsed_serve_args, then
+    AsyncEngineArgs.from_cli_args(args).create_engine_config(...), in this
+    process. None if every step accepts the settings."""
+    import vllm_kvevict
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    vllm_kvevict.register()  # what the entry point does in every vLLM process
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            args = parser.parse_args([model, *SERVE_DEFAULTS, *argv])
+        args.model = args.model_tag  # as ServeSubcommand.cmd does
+        validate_parsed_serve_args(args)
+        AsyncEngineArgs.from_cli_args(args).create_engine_config(
+            usage_context=UsageContext.OPENAI_API_SERVER)
+    except SystemExit:  # argparse: message on stderr
+        return stderr.getvalue()
+    except Exception as e:  # noqa: BLE001  (the refusal under test, whatever its type)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+BAD_SETTINGS = [
     (["--kv-eviction", "lru"], "invalid choice: 'lru'"),
     (["--additional-config", json.dumps({"kv_eviction": "lru"})], "unknown policy 'lru'"),
     (["--additional-config", "{kv_eviction: h2o"], "--additional-config must be a JSON object"),
@@ -136,11 +172,27 @@ def test_bad_input_gets_4xx_and_changes_nothing(server, reference_text, case):
     (["--kv-eviction", "infinigen", "--kv-transfer-config",
       json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both"})],
      "cannot be combined with --kv-transfer-config"),
-])
-def test_bad_settings_stop_startup_naming_the_flag(model_path, argv, message):
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_SETTINGS)
+def test_bad_settings_are_refused_naming_the_flag(model_path, argv, message):
+    said = serve_refusal(model_path, *argv)
+    assert said is not None, f"vllm serve {' '.join(argv)} was accepted"
+    assert message in said, said
+
+
+def test_good_settings_pass_the_same_checks(model_path):
+    """The control: the same path accepts what the suite's servers run."""
+    assert serve_refusal(model_path, "--kv-eviction", "h2o", "--kv-budget", "64") is None
+
+
+@pytest.mark.parametrize("argv, message", [BAD_SETTINGS[0], BAD_SETTINGS[4]])
+def test_bad_settings_stop_a_real_vllm_serve(model_path, argv, message):
+    """End to end, one refusal of vLLM's parser and one of the plugin's config check."""
     proc = subprocess.run(
         [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_path,
-         "--port", "1", "--block-size", "32", "--enforce-eager", *argv],
+         "--port", "1", *SERVE_DEFAULTS, *argv],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout, (proc.stderr + proc.stdout)[-3000:]

@@ -175,10 +175,10 @@ def test_speculate_threshold_budget_and_kernel_path(monkeypatch):
 # ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def smol(model_path):
+def smol(hf):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny ops: one thread is much faster on a busy box
-    model, tok = sk.load_model(model_path)
+    model, tok = hf  # the session's SmolLM2 (conftest), what sk.load_model loads
     ids = sk.calibration_ids(tok, "austen_persuasion", 0, 96)
     yield model, tok, ids
     torch.set_num_threads(threads)

@@ -20,8 +20,7 @@ import pytest
 import torch
 
 from test_h2o_reference import (  # noqa: F401  (fixtures)
-    BLOCK, CHUNK, DenseH2O, KeptSetChecker, _vllm_generate, h2o_generate, hf, one_thread,
-    prompts)
+    BLOCK, CHUNK, DenseH2O, KeptSetChecker, _vllm_generate, h2o_generate, one_thread, prompts)
 from window_reference import keep, selection_scores, token_scores
 
 BUDGET, WINDOW = 64, 32  # recent defaults to the window
@@ -53,12 +52,12 @@ def dense_window(kind: str):
 
 
 @pytest.fixture(scope="module", params=["snapkv", "andpro"])
-def llm(request, model_path):
-    pytest.importorskip("vllm")
+def llm(request, model_path, engines):
     from vllm import LLM
 
     from vllm_kvevict.integration.worker import worker_state
 
+    engines.close()  # one in-process engine at a time
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # keep the single thread
         engine = LLM(model_path, enforce_eager=True, dtype="float32", block_size=BLOCK,

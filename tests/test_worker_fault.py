@@ -19,24 +19,25 @@ stock vLLM 0.32 does (measured here, see `check_fault`) is asserted of every
 run, and the plugin's record must equal stock's.
 
 Servers, one after the other (about 25 s to start each on an idle 2-core
-machine; the file takes ~2 min idle, ~3 min beside other vLLM jobs):
-stock, Worker killed; plugin A, a reference completion, Worker killed; plugin
-B (same arguments: the restart) must return the same text for the same request,
+machine): stock, Worker killed; plugin A (the suite's shared h2o server,
+conftest.H2O_SERVER_ARGS), a reference completion, Worker killed; plugin B
+(same arguments: the restart) must return the same text for the same request,
 then its EngineCore is killed. Every wait is bounded, so a hang fails the test
 instead of blocking it.
 
-`KVEVICT_SLOW_FAULTS=1` adds the stock EngineCore kill (so the plugin's
-EngineCore kill is compared with stock's run, not only with the measured
-behaviour) and tensor parallel 2 (`mp`, Qwen2.5-Coder-0.5B, 2 KV heads, one
-worker per rank, grandchildren of the API server; one rank is killed, under
-stock and under the plugin). A TP 2 engine takes 80 s or more to start here.
+The `slow` tier (`pytest -m slow`) adds the stock EngineCore kill (so the
+plugin's EngineCore kill is compared with stock's run, not only with the
+measured behaviour asserted of it by default) and tensor parallel 2 (`mp`,
+Qwen2.5-Coder-0.5B, 2 KV heads, one worker per rank, grandchildren of the API
+server; one rank is killed, under stock and under the plugin). A TP 2 engine
+takes 80 s or more to start here.
 Measured: killing one rank ends the streams in about 15 s (the surviving rank
 blocks in its collective until the executor's grace period, SIGTERM, SIGKILL),
 then the same outcome as TP 1.
 """
 
+import contextlib
 import json
-import os
 import signal
 import subprocess
 import threading
@@ -44,16 +45,16 @@ import time
 
 import pytest
 import requests
+from conftest import H2O_SERVER_ARGS
+
 from vllm_kvevict.eval.server import Server
 
 PROMPT = "Write a very long story about a lighthouse keeper and the sea."
 MAX_TOKENS = 400
 N_STREAMS = 3
 KILL_AFTER = 100  # tokens every stream has received before the kill (budget 64: compacted by then)
-H2O = ("--kv-eviction", "h2o", "--kv-budget", "64")
+H2O = H2O_SERVER_ARGS  # budget 64
 REFERENCE = {"max_tokens": 150, "ignore_eos": True}  # prompt + 150 > 64: the plugin evicts
-
-SLOW = os.environ.get("KVEVICT_SLOW_FAULTS") == "1"  # + stock EngineCore kill, + TP 2
 
 # Bounds. Measured at TP 1: streams end 0.1-0.4 s after the kill, the API
 # server exits about 1 s after it (at once after the new request's 500, else
@@ -175,15 +176,19 @@ def kill_mid_run(server: Server, target: str, end_within: float = STREAMS_END_WI
 
 
 def run_flavour(model: str, args: tuple, stock: bool, targets=("worker", "engine_core"),
-                env: dict | None = None, end_within: float = STREAMS_END_WITHIN) -> dict:
+                env: dict | None = None, end_within: float = STREAMS_END_WITHIN,
+                first=None) -> dict:
     """One server per target, all with the same arguments, one after the other:
     each serves the reference completion, then has its `target` killed. The
     first server's completion is the reference; the next one's ("restart")
-    comes from a server started after a fault."""
+    comes from a server started after a fault. `first`: a running server with
+    these arguments to use (and kill) for the first target."""
     rec = {}
     for i, target in enumerate(targets):
         t0 = time.monotonic()
-        with Server(model, *args, stock=stock, env=env) as srv:
+        running = first if i == 0 and first is not None else None
+        with contextlib.nullcontext(running) if running else Server(
+                model, *args, stock=stock, env=env) as srv:
             started = round(time.monotonic() - t0, 1)
             r = srv.complete(PROMPT, **REFERENCE)
             rec.setdefault("reference" if i == 0 else "restart",
@@ -195,12 +200,18 @@ def run_flavour(model: str, args: tuple, stock: bool, targets=("worker", "engine
 
 
 @pytest.fixture(scope="module")
-def runs(model_path):
-    stock_targets = ("worker", "engine_core") if SLOW else ("worker",)
-    out = {"stock": run_flavour(model_path, (), stock=True, targets=stock_targets),
-           "h2o": run_flavour(model_path, H2O, stock=False)}
+def runs(model_path, _h2o_server):
+    out = {"stock": run_flavour(model_path, (), stock=True, targets=("worker",)),
+           "h2o": run_flavour(model_path, H2O, stock=False, first=_h2o_server.get())}
     summary(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def stock_engine_core(model_path):
+    rec = run_flavour(model_path, (), stock=True, targets=("engine_core",))
+    summary({"stock": rec})
+    return rec
 
 
 def brief(rec: dict) -> dict:
@@ -249,25 +260,33 @@ def check_fault(rec: dict, plugin: bool, tp: int = 1) -> None:
     assert rec["log_engine_dead"], info  # vLLM's own error path, in the API server's log
 
 
-FAULTS = [(f, t) for t in ("worker", "engine_core") for f in ("stock", "h2o")]
+FAULTS = [("stock", "worker"), ("h2o", "worker"), ("h2o", "engine_core")]
 
 
 @pytest.mark.parametrize("flavour,target", FAULTS, ids=[f"{f}-{t}" for f, t in FAULTS])
 def test_killed_process_ends_streams_and_server(runs, flavour, target):
-    if target not in runs[flavour]:
-        pytest.skip(f"{flavour} {target} kill runs with KVEVICT_SLOW_FAULTS=1")
     check_fault(runs[flavour][target], plugin=flavour != "stock")
 
 
-@pytest.mark.parametrize("target", ["worker", "engine_core"])
-def test_plugin_fails_like_stock(runs, target):
-    if target not in runs["stock"]:
-        pytest.skip(f"stock {target} kill runs with KVEVICT_SLOW_FAULTS=1")
-    stock, plugin = runs["stock"][target], runs["h2o"][target]
+def _fails_alike(plugin: dict, stock: dict) -> None:
     for key in ("streams", "server_exit", "health_after", "left", "tree"):
         assert plugin[key] == stock[key], (key, brief(plugin), brief(stock))
     # The new request races the server's exit (500 first, refused after).
     assert {plugin["new_request"][0], stock["new_request"][0]} <= {500, "ConnectionError"}
+
+
+def test_plugin_fails_like_stock_when_the_worker_dies(runs):
+    _fails_alike(runs["h2o"]["worker"], runs["stock"]["worker"])
+
+
+@pytest.mark.slow
+def test_stock_engine_core_kill_ends_streams_and_server(stock_engine_core):
+    check_fault(stock_engine_core["engine_core"], plugin=False)
+
+
+@pytest.mark.slow
+def test_plugin_fails_like_stock_when_the_engine_core_dies(runs, stock_engine_core):
+    _fails_alike(runs["h2o"]["engine_core"], stock_engine_core["engine_core"])
 
 
 def test_restart_serves_again(runs):
@@ -276,7 +295,7 @@ def test_restart_serves_again(runs):
     assert restart == reference  # same greedy text as before the fault
 
 
-@pytest.mark.skipif(not SLOW, reason="TP 2 fault run: ~4 min on 2 cores; KVEVICT_SLOW_FAULTS=1")
+@pytest.mark.slow  # TP 2 fault run: ~4 min on 2 cores
 def test_tp2_rank_killed():
     from vllm_kvevict.models import ensure_qwen25_coder
 

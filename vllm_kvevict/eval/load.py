@@ -130,16 +130,23 @@ def pct(values: list[float], q: float) -> float:
 def run_server(name: str, server_args: list[str], stock: bool, model: str,
                reqs: list[dict], solo: int, server_env: dict) -> dict:
     with Server(model, *server_args, stock=stock, env=server_env) as srv:
-        results, wall = asyncio.run(drive(srv, reqs))
-        usage, running = wait_idle(srv)
-        by_id = {r["id"]: r for r in reqs}
-        done = [r for r in results if r["status"] == "completed"]
-        codes = {r["code"] for r in reqs}
-        mixed = [r["id"] for r in done
-                 if any(c in r["text"] and c != by_id[r["id"]]["code"] for c in codes)]
-        sample = done[:solo]
-        same = sum(asyncio.run(alone(srv, by_id[r["id"]])) == r["text"] for r in sample)
-        evicted = srv.metric("vllm_kvevict_tokens_evicted_total")
+        return run_against(name, srv, reqs, solo)
+
+
+def run_against(name: str, srv: Server, reqs: list[dict], solo: int) -> dict:
+    """The load on a running server (one started for it, or one a test suite
+    shares); `tokens_evicted` counts this run's evictions only."""
+    evicted0 = srv.metric("vllm_kvevict_tokens_evicted_total")
+    results, wall = asyncio.run(drive(srv, reqs))
+    usage, running = wait_idle(srv)
+    by_id = {r["id"]: r for r in reqs}
+    done = [r for r in results if r["status"] == "completed"]
+    codes = {r["code"] for r in reqs}
+    mixed = [r["id"] for r in done
+             if any(c in r["text"] and c != by_id[r["id"]]["code"] for c in codes)]
+    sample = done[:solo]
+    same = sum(asyncio.run(alone(srv, by_id[r["id"]])) == r["text"] for r in sample)
+    evicted = srv.metric("vllm_kvevict_tokens_evicted_total") - evicted0
     ttft = [r["stamps"][0] for r in results if r.get("stamps")]
     itl = [b - a for r in results if r.get("stamps") for a, b in zip(r["stamps"], r["stamps"][1:])]
     tokens = sum(r.get("tokens", 0) for r in results)
