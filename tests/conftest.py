@@ -25,8 +25,19 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() and not os.path.exists
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+import torch
 
 from vllm_kvevict.eval.server import kv_pool_bytes, native_dtype
+
+# Threads of this process (in-process engines and references). vLLM binds
+# OpenMP threads only in the worker processes its `mp` executor spawns
+# (servers, TP runs: VLLM_CPU_OMP_THREADS_BIND); in-process engines use torch's
+# default, one thread per core. Measured on 2 idle cores (SmolLM2, H2O, one
+# engine: 4 x 160 decode tokens / 2 x 1,500-token prefill;
+# scripts/measure/engine_threads.py): 2 threads 8.1 s / 14.8 s, 1 thread
+# 8.7 s / 19.5 s (fp32; the same ranking in bf16 and under AVX2 emulation). So: every core, and nothing
+# else running beside an in-process engine (see pytest_collection_modifyitems).
+torch.set_num_threads(os.cpu_count() or 1)
 
 HERE = os.path.dirname(__file__)
 

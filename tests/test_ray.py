@@ -1,10 +1,14 @@
 """Tensor parallel 2 over vLLM's Ray executor, on this CPU (patches/ray_on_cpu.py).
 
-One subprocess (tests/tp_generate.py) runs TP 1 and then TP 2 with
-`distributed_executor_backend="ray"` over a local Ray instance it starts on
-loopback (127.0.0.1 only) and shuts down after; every process of that run is
-killed when it ends, however it ends; float32 on Qwen2.5-Coder-0.5B (2 KV heads:
-one per rank), for the reason tests/test_tensor_parallel.py gives. Checked:
+The Ray run is the last engine of the plugin process tests/tp_runs.py shares
+with tests/test_tensor_parallel.py (a subprocess of tests/tp_generate.py): TP 2
+with `distributed_executor_backend="ray"` over a local Ray instance it starts on
+loopback (127.0.0.1 only) and shuts down after, H2O on a 32-token server; it is
+compared with that process's TP 1 H2O run (a 2048-token server whose requests
+ask for 32 tokens: the same plans, see tests/tp_runs.py, so this comparison
+checks that too). Every process of that subprocess is killed when it ends,
+however it ends; float32 on Qwen2.5-Coder-0.5B (2 KV heads: one per rank), for
+the reason tests/test_tensor_parallel.py gives. Checked:
 - the same greedy tokens as TP 1, with the same H2O budget, evicting;
 - the plugin is live in every Ray worker (each rank is a Ray actor process
   whose eviction state exists and compacts), and each worker is bound to its
@@ -14,54 +18,17 @@ one per rank), for the reason tests/test_tensor_parallel.py gives. Checked:
   compaction, keeps exactly the logical positions TP 1 keeps for head r.
 """
 
-import json
-import os
-import signal
-import subprocess
-import sys
-
 import pytest
 from conftest import PROMPTS
-
-HERE = os.path.dirname(__file__)
-MAX_TOKENS = 100
-RUNS = [{"tp": 1, "policy": "h2o", "budget": 32},
-        {"tp": 2, "policy": "h2o", "budget": 32, "backend": "ray"}]
-
-
-def _kill_session(sid: int) -> None:
-    """SIGKILL every process of session `sid` (Ray gives its workers their own
-    process groups, but they stay in the session of the process that started Ray)."""
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getsid(int(entry)) == sid:
-                    os.kill(int(entry), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+from tp_runs import BUDGET, MAX_TOKENS, one_pass, plugin_runs
 
 
 @pytest.fixture(scope="module")
 def runs():
-    from vllm_kvevict.models import ensure_qwen25_coder
-
-    # Own session: the engine, Ray (started in there, on loopback) and its
-    # workers all carry the session id of this child, and are killed below
-    # whatever happened, so no Ray process outlives the test even if the run
-    # fails or times out (a killed Ray driver leaves Ray's agents behind).
-    proc = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "tp_generate.py"), ensure_qwen25_coder(),
-         json.dumps(RUNS), "--dtype", "float32", "--max-tokens", str(MAX_TOKENS)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(json.dumps(PROMPTS), timeout=600)
-    finally:
-        _kill_session(proc.pid)
-        proc.wait()
-    assert proc.returncode == 0, stderr[-5000:]
-    tp1, tp2 = json.loads(stdout.split("RESULT=")[-1])
-    return tp1, tp2
+    runs = plugin_runs()
+    ray = runs["h2o_ray_tp2"]
+    tp2 = one_pass(ray, None)  # the server's budget: 32
+    return one_pass(runs["h2o_tp1"], BUDGET), {**tp2, "workers": ray["workers"]}
 
 
 def test_ray_tp2_generates_what_tp1_does(runs):

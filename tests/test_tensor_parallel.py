@@ -18,80 +18,54 @@ minutes). In float32, stock TP 1 and TP 2 agree token for token on this machine,
 which `test_stock_vllm_tp2_equals_tp1_in_float32` checks first, so a difference
 left in the other tests is the plugin's.
 
-Every engine runs in a subprocess (tests/tp_generate.py): VLLM_CPU_OMP_THREADS_BIND
-and VLLM_PLUGINS must be set before the process's first engine (vLLM caches its
-environment once an engine has started). Each subprocess runs its engines one
-after the other; the engine core is in-process there, so the scheduler-side
-managers' counters (compactions, evicted tokens) and vLLM's BlockPool are read.
+What runs where (tests/tp_runs.py; every engine in a subprocess of
+tests/tp_generate.py, since VLLM_CPU_OMP_THREADS_BIND and VLLM_PLUGINS must be
+set before the process's first engine): one plugin process, shared with
+tests/test_ray.py, runs H2O at TP 1 and at TP 2 (`mp`) on a 2048-token server
+whose requests ask for a 32-token budget (`kv_budget` in SamplingParams
+.extra_args; the same plans as a 32-token server, see tests/tp_runs.py), the TP 2
+engine then generating again at the server's budget (>= length: no eviction);
+StreamingLLM at TP 1 and TP 2 on a 32-token server; and last Ray (test_ray.py).
+One stock process (plugin not loaded) runs TP 1 and TP 2. The engine core is
+in-process there, so the scheduler-side managers' counters (compactions, evicted
+tokens, per pass) and vLLM's BlockPool are read.
 """
-
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 from conftest import PROMPTS
+from tp_runs import BLOCK, BUDGET, one_pass, plugin_runs, stock_runs
 
 from vllm_kvevict.planner import max_blocks_per_request
 
-HERE = os.path.dirname(__file__)
-MAX_TOKENS = 100  # prompts are 9-28 tokens: 109-128 per request
-BUDGET = 32  # one block: compact at 64 resident tokens back to 32, every 32 tokens
-BLOCK = 32
-DTYPE = "float32"
 
-PLUGIN_RUNS = [
-    {"tp": 1, "policy": "h2o", "budget": BUDGET},
-    {"tp": 2, "policy": "h2o", "budget": BUDGET},
-    {"tp": 1, "policy": "streaming", "budget": BUDGET},
-    {"tp": 2, "policy": "streaming", "budget": BUDGET},
-    {"tp": 2, "policy": "h2o", "budget": 2048},  # budget >= length: no eviction
-]
-STOCK_RUNS = [{"tp": 1, "policy": "stock"}, {"tp": 2, "policy": "stock"}]
-
-
-def _run(model, runs):
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "tp_generate.py"), model, json.dumps(runs),
-         "--dtype", DTYPE, "--max-tokens", str(MAX_TOKENS), "--block-size", str(BLOCK)],
-        input=json.dumps(PROMPTS), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    results = json.loads(proc.stdout.split("RESULT=")[-1])
-    assert len(results) == len(runs)
-    for result in results:
-        assert [len(ids) for ids in result["ids"]] == [MAX_TOKENS] * len(PROMPTS)
-    return results
+# (policy, tp) -> (run in tp_runs.PLUGIN_RUNS, its pass): budget 32 per request
+# for H2O, the server's 32 for StreamingLLM; "h2o full": budget >= length.
+PASSES = {("h2o", 1): ("h2o_tp1", BUDGET), ("h2o", 2): ("h2o_tp2", BUDGET),
+          ("h2o full", 2): ("h2o_tp2", None),
+          ("streaming", 1): ("streaming_tp1", None), ("streaming", 2): ("streaming_tp2", None)}
 
 
 @pytest.fixture(scope="module")
-def qwen_path():
-    from vllm_kvevict.models import ensure_qwen25_coder
-
-    return ensure_qwen25_coder()
-
-
-@pytest.fixture(scope="module")
-def plugin(qwen_path):
-    return dict(zip(((r["policy"], r["budget"], r["tp"]) for r in PLUGIN_RUNS),
-                    _run(qwen_path, PLUGIN_RUNS)))
+def plugin():
+    runs = plugin_runs()  # a run that failed fails only the tests that read it
+    return lambda policy, tp: one_pass(runs[PASSES[policy, tp][0]], PASSES[policy, tp][1])
 
 
 @pytest.fixture(scope="module")
-def stock(qwen_path):
-    return dict(zip((r["tp"] for r in STOCK_RUNS), _run(qwen_path, STOCK_RUNS)))
+def stock():
+    return stock_runs()
 
 
 def test_stock_vllm_tp2_equals_tp1_in_float32(stock):
     """The premise: without the plugin, TP 2 and TP 1 agree (float32)."""
-    assert stock[2]["ids"] == stock[1]["ids"]
+    assert stock["tp2"]["ids"] == stock["tp1"]["ids"]
 
 
 @pytest.mark.parametrize("policy", ["h2o", "streaming"])
 def test_tp2_equals_tp1_under_eviction(plugin, policy):
     """Same policy and budget: identical greedy tokens at TP 1 and TP 2, through
     several compactions per request that really returned blocks to vLLM's pool."""
-    tp1, tp2 = plugin[(policy, BUDGET, 1)], plugin[(policy, BUDGET, 2)]
+    tp1, tp2 = plugin(policy, 1), plugin(policy, 2)
     for run in (tp1, tp2):
         # 109-128 tokens per request at budget 32: compactions at 64 and 96 tokens.
         assert run["compactions"] >= 2 * len(PROMPTS)
@@ -104,13 +78,14 @@ def test_tp2_equals_tp1_under_eviction(plugin, policy):
 
 def test_tp2_plugin_equals_stock_without_eviction_and_eviction_changes_tokens(plugin, stock):
     """At TP 2, budget >= length: the plugin's own KV write, attention and scoring
-    on one KV head per rank give stock vLLM's tokens exactly. At budget 32 the
-    tokens differ from stock (H2O and StreamingLLM keep different tokens, so
+    on one KV head per rank give stock vLLM's tokens exactly (the same engine as
+    the TP 2 H2O run, generating again without a per-request budget). At budget 32
+    the tokens differ from stock (H2O and StreamingLLM keep different tokens, so
     differ from each other too): the workers really attend to fewer keys."""
-    full = plugin[("h2o", 2048, 2)]
+    full = plugin("h2o full", 2)
     assert full["compactions"] == full["evicted"] == 0
-    assert full["ids"] == stock[2]["ids"]
-    h2o, streaming = plugin[("h2o", BUDGET, 2)]["ids"], plugin[("streaming", BUDGET, 2)]["ids"]
-    assert h2o != stock[2]["ids"]
-    assert streaming != stock[2]["ids"]
+    assert full["ids"] == stock["tp2"]["ids"]
+    h2o, streaming = plugin("h2o", 2)["ids"], plugin("streaming", 2)["ids"]
+    assert h2o != stock["tp2"]["ids"]
+    assert streaming != stock["tp2"]["ids"]
     assert h2o != streaming

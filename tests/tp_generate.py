@@ -1,7 +1,8 @@
 """Greedy token ids from engines at given tensor-parallel sizes, plus what vLLM's
 scheduler-side KV managers counted (compactions, evicted tokens, blocks).
 
-    python tests/tp_generate.py MODEL RUNS [--dtype float32] [--max-tokens 100] < prompts.json
+    python tests/tp_generate.py MODEL RUNS [--dtype float32] [--max-tokens 100]
+        [--block-size 32] [--kv-bytes N] < prompts.json
 
 RUNS is a JSON list of engines to run one after the other in this process, e.g.
 `[{"tp": 1, "policy": "h2o", "budget": 32}, {"tp": 2, "policy": "h2o", "budget": 32}]`;
@@ -10,22 +11,38 @@ over a local Ray instance this process starts (on 127.0.0.1 only) and stops.
 Policy `stock` runs vLLM with our plugin disabled (VLLM_PLUGINS=""); since
 plugins load once per process, either every run is `stock` or none is.
 
+`"passes": [32, null]` has one engine (server budget `budget`) generate the
+prompts once per entry, one pass after the other: an int is a per-request
+budget (`SamplingParams(extra_args={"kv_budget": n})`, at most `budget`), null
+the server's own. Without `passes` a run generates once, at the server's budget.
+
 Why a separate process: vLLM caches its environment variables once an engine
 has started (`enable_envs_cache`), so VLLM_CPU_OMP_THREADS_BIND="0|1", which
 the `mp` executor needs to bind one core per rank, must be set before the
 first engine of the process; and VLLM_PLUGINS="" before vLLM loads plugins.
-The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by
-conftest), so its scheduler is readable; with tp 2 the two workers are `mp`
-processes. With tp 1 the worker runs in this process (uniprocessor executor,
-which ignores the binding variable).
+The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set
+here), so its scheduler is readable; with tp 2 the two workers are `mp`
+processes (or Ray actors). With tp 1 the worker runs in this process
+(uniprocessor executor, which ignores the binding variable). Engines are built
+with the suite's settings (conftest.make_llm's: eager, seed 0, max_model_len
+2048, a KV pool of --kv-bytes), written out here rather than imported: conftest
+imports vllm_kvevict, which a stock process must not even import.
 
-Prints one line `RESULT=<json>`: a list with, per run, `ids` (per prompt),
-`seconds` (engine start to shutdown) and, with the plugin, `compactions`,
-`evicted` (token slots returned, summed over requests), `max_blocks` (the most
-blocks one request held in any step) and `pool_whole` (no block in use at the end).
+Prints one line `RUN=<json>` as each run ends (so the runs before a failing one
+are still read) and, after the last, one line `RESULT=<json>`: the list of all.
+A run's result has `seconds` (engine start to shutdown) and, with the plugin,
+`workers` (per rank: pid, rank, plugin live, Ray actor and node, CPUs). Per pass
+it has `ids` (per prompt) and, with the plugin, `compactions`, `evicted` (token
+slots returned, summed over requests), `max_blocks` (the most blocks one request
+held in any step), `pool_whole` (no block in use at the end) and `kept` (per
+rank: its KV heads and compactions, see `compaction_history`), each counted over
+that pass alone. A run with `passes` reports them as `passes` (a list, in order,
+each with its `budget` and `seconds`); a run without, at the top level of its
+result, as one pass.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -48,7 +65,9 @@ def process_cpus() -> list[int]:
 
 def record_compactions(worker) -> dict:
     """In a worker: who am I, is the plugin live here, and from now on keep
-    every compaction's kept logical positions (per layer and local KV head)."""
+    every compaction's kept logical positions (per layer and local KV head).
+    Called again (the next pass), it starts a new history: requests are then
+    numbered from 0 again."""
     import os
 
     from vllm.distributed import get_tensor_model_parallel_rank
@@ -69,17 +88,21 @@ def record_compactions(worker) -> dict:
         pass
     if state is None:
         return info
-    state.record_kept, state.history, order = True, [], {}
-    compact = state._compact
+    state.record_kept, state.history = True, []
+    if not hasattr(state, "history_order"):
+        state.history_order = {}  # req_id -> first-seen number, this pass
+        compact = state._compact
 
-    def recording(plan):
-        compact(plan)
-        rec = state.kept.get(plan.req_id)
-        if rec is not None:
-            req = order.setdefault(plan.req_id, len(order))
-            state.history.append([req, plan.logical_len, rec.positions.tolist()])
+        def recording(plan):
+            compact(plan)
+            rec = state.kept.get(plan.req_id)
+            if rec is not None:
+                order = state.history_order
+                req = order.setdefault(plan.req_id, len(order))
+                state.history.append([req, plan.logical_len, rec.positions.tolist()])
 
-    state._compact = recording
+        state._compact = recording
+    state.history_order.clear()
     return info
 
 
@@ -93,6 +116,31 @@ def compaction_history(worker) -> dict:
             "history": sorted(state.history, key=lambda h: (h[0], h[1]))}
 
 
+def make_llm(model: str, kv_bytes: int, **kwargs):
+    """An engine with conftest.make_llm's settings."""
+    from vllm import LLM
+
+    kwargs.setdefault("max_model_len", 2048)
+    return LLM(model, enforce_eager=True, seed=0, kv_cache_memory_bytes=kv_bytes, **kwargs)
+
+
+def close(llm) -> None:
+    """Shut the engine down now (as conftest.close): left to the garbage
+    collector, it would tear vLLM's parallel groups down under the next engine."""
+    import gc
+
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+def reset_probe(probe) -> None:
+    """Start the probe's counts afresh: one probe per engine, reset per pass."""
+    for f in dataclasses.fields(probe):
+        if f.name != "scheduler":
+            setattr(probe, f.name, f.default_factory() if callable(f.default_factory)
+                    else f.default)
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("model")
@@ -100,6 +148,8 @@ if __name__ == "__main__":
     p.add_argument("--max-tokens", type=int, default=100)
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16")
+    # conftest.kv_bytes: the suite's pool, 96 MiB of bf16 (the same blocks in fp32).
+    p.add_argument("--kv-bytes", type=int, default=None)
     args = p.parse_args()
 
     stock = {run["policy"] == "stock" for run in args.runs}
@@ -107,6 +157,8 @@ if __name__ == "__main__":
     stock = stock.pop()
     if stock:
         os.environ["VLLM_PLUGINS"] = ""  # not even our backend subclass is registered
+        assert all(run.get("passes", [None]) == [None] for run in args.runs), \
+            "stock vLLM has no per-request budget"
     if any(run.get("backend") == "ray" for run in args.runs):
         # Ray on loopback only. On Linux Ray turns 127.0.0.1 into the host's
         # routable address (ray._private.services.resolve_ip_for_localhost) and
@@ -118,12 +170,12 @@ if __name__ == "__main__":
     max_tp = max(run["tp"] for run in args.runs)
     if max_tp > 1:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(max_tp))
-    from conftest import close, make_llm  # sets VLLM_ENABLE_V1_MULTIPROCESSING=0
-
+    # In-process engine core: its scheduler (the KV managers, the BlockPool) is read.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    kv_bytes = args.kv_bytes or (96 << 20) * (2 if args.dtype == "float32" else 1)
     from vllm import SamplingParams
 
     prompts = json.load(sys.stdin)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     results = []
     for run in args.runs:
         t0 = time.perf_counter()
@@ -141,33 +193,52 @@ if __name__ == "__main__":
             # finds it initialised and only adds its placement group. It stops at
             # ray.shutdown() below, or at this process's exit on an error (Ray's
             # atexit hook); if this process is killed, Ray's agent processes
-            # stay: tests/test_ray.py kills this process's whole session after.
+            # stay: tests/tp_runs.py kills this process's whole session after.
             ray.init(address="local", num_cpus=run["tp"], include_dashboard=False,
                      object_store_memory=200 << 20, _node_ip_address="127.0.0.1")
-        llm = make_llm(args.model, **kw)
+        llm = make_llm(args.model, kv_bytes, **kw)
+        result, passes = {}, []
         if not stock:
             from vllm_kvevict.integration.probe import attach
 
             probe = attach(llm)
-            # Runs in every worker (pickled by value from __main__, so Ray
-            # workers need no access to this file).
-            workers = llm.collective_rpc(record_compactions)
-        outs = llm.generate(prompts, params)
-        result = {"ids": [list(o.outputs[0].token_ids) for o in outs]}
-        if not stock:
-            result["workers"] = workers
-            result["kept"] = llm.collective_rpc(compaction_history)
-        if not stock:
             managers = probe.managers()
-            result["compactions"] = sum(getattr(m, "num_compactions", 0) for m in managers)
-            result["evicted"] = sum(getattr(m, "num_tokens_evicted", 0) for m in managers)
-            result["max_blocks"] = probe.max_blocks_per_request
-            result["pool_whole"] = probe.used_blocks() == 0
+        for budget in run.get("passes", [None]):
+            t1 = time.perf_counter()
+            params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
+                                    extra_args=None if budget is None else {"kv_budget": budget})
+            if not stock:
+                reset_probe(probe)
+                counted = [(sum(getattr(m, "num_compactions", 0) for m in managers),
+                            sum(getattr(m, "num_tokens_evicted", 0) for m in managers))]
+                # Runs in every worker (pickled by value from __main__, so Ray
+                # workers need no access to this file).
+                workers = llm.collective_rpc(record_compactions)
+                result.setdefault("workers", workers)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            done = {"budget": budget, "ids": [list(o.outputs[0].token_ids) for o in outs]}
+            if not stock:
+                done["kept"] = llm.collective_rpc(compaction_history)
+                counted.append((sum(getattr(m, "num_compactions", 0) for m in managers),
+                                sum(getattr(m, "num_tokens_evicted", 0) for m in managers)))
+                done["compactions"] = counted[1][0] - counted[0][0]
+                done["evicted"] = counted[1][1] - counted[0][1]
+                done["max_blocks"] = probe.max_blocks_per_request
+                done["pool_whole"] = probe.used_blocks() == 0
+            done["seconds"] = round(time.perf_counter() - t1, 1)
+            passes.append(done)
         close(llm)
         if run.get("backend") == "ray":
             ray.shutdown()
+        if "passes" in run:
+            result["passes"] = passes
+        else:
+            (single,) = passes
+            del single["budget"], single["seconds"]
+            result.update(single)
         result["seconds"] = round(time.perf_counter() - t0, 1)
+        if stock:
+            assert "vllm_kvevict" not in sys.modules, "plugin loaded despite VLLM_PLUGINS=''"
         results.append(result)
-    if stock:
-        assert "vllm_kvevict" not in sys.modules, "plugin loaded despite VLLM_PLUGINS=''"
+        print("RUN=" + json.dumps(result), flush=True)
     print("RESULT=" + json.dumps(results), flush=True)

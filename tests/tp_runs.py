@@ -1,0 +1,139 @@
+"""The tensor-parallel engines that tests/test_tensor_parallel.py and
+tests/test_ray.py read, run once per pytest session and shared by both files.
+
+Qwen2.5-Coder-0.5B (2 KV heads: one per rank at TP 2), float32, block 32,
+MAX_TOKENS greedy tokens per prompt of conftest.PROMPTS, prefix caching off.
+Two subprocesses of tests/tp_generate.py (VLLM_PLUGINS and the CPU binding must
+be set before a process's first engine; plugins load once per process):
+
+`plugin_runs()`, one process, engines one after the other (PLUGIN_RUNS):
+  tp 1, h2o, server budget 2048, one pass at per-request budget 32;
+  tp 2 (`mp`), h2o, server budget 2048, passes at per-request budget 32 and at
+      the server's 2048 (budget >= length: no eviction);
+  tp 1 and tp 2 (`mp`), streaming, server budget 32;
+  tp 2 over Ray (local instance on loopback), h2o, server budget 32.
+`stock_runs()`, another process with the plugin not loaded: tp 1 and tp 2.
+
+A per-request budget of 32 under a 2048 server gives the same plans as a
+32-token server: the request's config has budget 32 and (kv_recent unset) a
+16-token recent window either way, and compaction targets and the plans'
+`recent` come from it (EvictionConfig.for_request, planner.compaction_target).
+Measured at TP 1: the same tokens, 8 compactions, 256 evicted tokens, 2 blocks
+per request at most and the same kept positions at every compaction. The Ray
+run keeps a 32-token server budget, so the server-budget H2O path runs at TP 2
+too, and test_ray's per-rank comparison with the TP 1 run checks that
+equivalence again on every run.
+
+The plugin process runs in its own session, SIGKILLed whole when it ends,
+however it ends: Ray gives its workers their own process groups, but they stay
+in the session of the process that started Ray, and a killed Ray driver leaves
+Ray's agents behind. Each run's result is printed as it ends, so a failing run
+(Ray, say) fails only the tests that read it.
+"""
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from conftest import PROMPTS, kv_bytes
+
+HERE = os.path.dirname(__file__)
+MAX_TOKENS = 100  # prompts are 9-28 tokens: 109-128 per request
+BUDGET = 32  # one block: compact at 64 resident tokens back to 32, every 32 tokens
+FULL = 2048  # budget >= length: no eviction
+BLOCK = 32
+DTYPE = "float32"
+
+# name -> run (tests/tp_generate.py's format); run in this order.
+PLUGIN_RUNS = {
+    "h2o_tp1": {"tp": 1, "policy": "h2o", "budget": FULL, "passes": [BUDGET]},
+    "h2o_tp2": {"tp": 2, "policy": "h2o", "budget": FULL, "passes": [BUDGET, None]},
+    "streaming_tp1": {"tp": 1, "policy": "streaming", "budget": BUDGET, "passes": [None]},
+    "streaming_tp2": {"tp": 2, "policy": "streaming", "budget": BUDGET, "passes": [None]},
+    "h2o_ray_tp2": {"tp": 2, "policy": "h2o", "budget": BUDGET, "backend": "ray",
+                    "passes": [None]},
+}
+STOCK_RUNS = {"tp1": {"tp": 1, "policy": "stock"}, "tp2": {"tp": 2, "policy": "stock"}}
+
+
+def _kill_session(sid: int) -> None:
+    """SIGKILL every process of session `sid`."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    os.kill(int(entry), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _model() -> str:
+    from vllm_kvevict.models import ensure_qwen25_coder
+
+    return ensure_qwen25_coder()
+
+
+class Runs:
+    """The results of one tp_generate.py process, by run name."""
+
+    def __init__(self, names: list[str], results: list[dict], error: str | None):
+        self.names, self.results, self.error = names, results, error
+
+    def __getitem__(self, name: str) -> dict:
+        """Run `name`'s result, checked: it finished (and, if every run did, the
+        process exited cleanly) and every pass generated MAX_TOKENS per prompt."""
+        i = self.names.index(name)
+        finished = len(self.results) == len(self.names)
+        assert i < len(self.results) and not (finished and self.error), \
+            f"run {name!r} failed (runs: {self.names}):\n{self.error}"
+        result = self.results[i]
+        for one in result.get("passes", [result]):
+            assert [len(ids) for ids in one["ids"]] == [MAX_TOKENS] * len(PROMPTS), name
+        return result
+
+
+def _run(runs: dict[str, dict], timeout: int) -> Runs:
+    # Own session: the engines, Ray (started in there, on loopback) and its
+    # workers all carry the session id of this child, and are killed below
+    # whatever happened, so no process outlives the run even if it fails or
+    # times out.
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "tp_generate.py"), _model(),
+         json.dumps(list(runs.values())), "--dtype", DTYPE, "--max-tokens", str(MAX_TOKENS),
+         "--block-size", str(BLOCK), "--kv-bytes", str(kv_bytes(DTYPE))],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    error = None
+    try:
+        stdout, stderr = proc.communicate(json.dumps(PROMPTS), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_session(proc.pid)
+        stdout, stderr = proc.communicate()
+        error = f"timed out after {timeout} s"
+    finally:
+        _kill_session(proc.pid)
+        proc.wait()
+    results = [json.loads(line.removeprefix("RUN=")) for line in stdout.splitlines()
+               if line.startswith("RUN=")]
+    if proc.returncode != 0 or len(results) < len(runs):
+        error = f"{error or f'exit status {proc.returncode}'}\n{stderr[-5000:]}"
+    return Runs(list(runs), results, error)
+
+
+@functools.lru_cache(maxsize=None)
+def plugin_runs() -> Runs:
+    return _run(PLUGIN_RUNS, timeout=1200)
+
+
+@functools.lru_cache(maxsize=None)
+def stock_runs() -> Runs:
+    return _run(STOCK_RUNS, timeout=600)
+
+
+def one_pass(result: dict, budget: int | None = None) -> dict:
+    """A run's pass at the given per-request budget (None: the server's)."""
+    (found,) = [p for p in result["passes"] if p["budget"] == budget]
+    return found
