@@ -29,9 +29,9 @@ REFERENCE = "The history of the lighthouse began"
 SERVE_DEFAULTS = ("--block-size", "32", "--enforce-eager")
 
 
-@pytest.fixture
-def server(h2o_server):
-    return h2o_server
+@pytest.fixture(scope="module")
+def server(_h2o_server):
+    return _h2o_server.get()
 
 
 @pytest.fixture(scope="module")
