@@ -104,7 +104,6 @@ class Engines:
         self.model_path = model_path
         self.key = None
         self.llm = None
-        self.started = 0
 
     def get(self, **settings):
         key = json.dumps(settings, sort_keys=True)
@@ -112,7 +111,6 @@ class Engines:
             self.close()
             self.llm = make_llm(self.model_path, **settings)
             self.key = key
-            self.started += 1
         return self.llm
 
     def close(self):
@@ -177,7 +175,6 @@ class SharedServer:
 
     def __init__(self, model_path: str, *args: str):
         self.model_path, self.args, self.server = model_path, args, None
-        self.started = 0
 
     def get(self):
         from vllm_kvevict.eval.server import Server
@@ -186,7 +183,6 @@ class SharedServer:
             self.stop()
             self.server = Server(self.model_path, *self.args)
             self.server.start()
-            self.started += 1
         return self.server
 
     def stop(self):
