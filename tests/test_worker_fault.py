@@ -5,7 +5,7 @@ Process tree of `vllm serve` on CPU at TP 1 (vLLM 0.32): the API server; its
 child the EngineCore (busy loop, scheduler, our KV managers); the EngineCore's
 child `VLLM::Worker` (the `mp` executor's one worker: the model forward, our
 attention backend and compaction). Two faults are injected, each while three
-400-token streams are generating (each has 100 tokens, waited for by count,
+1,200-token streams are generating (each has 100 tokens, waited for by count,
 not by a sleep; under the plugin, compactions have run by then, checked):
 
 - SIGKILL the Worker, the process doing the model work;
@@ -50,7 +50,11 @@ from conftest import H2O_SERVER_ARGS
 from vllm_kvevict.eval.server import Server
 
 PROMPT = "Write a very long story about a lighthouse keeper and the sea."
-MAX_TOKENS = 400
+# Streams are long so that the kill lands mid-run even on a fast CPU: stock
+# vLLM once finished three 400-token streams before a 0.1 s poll saw 100 (CI,
+# 2026-11-23). 3 x (15 + 1200) tokens fit the test pool (about 4,300 tokens of
+# SmolLM2 KV), so stock never preempts. Killed streams stop at about 100.
+MAX_TOKENS = 1200
 N_STREAMS = 3
 KILL_AFTER = 100  # tokens every stream has received before the kill (budget 64: compacted by then)
 H2O = H2O_SERVER_ARGS  # budget 64
@@ -77,6 +81,7 @@ class Stream(threading.Thread):
         self.error_event = None  # the `data: {"error": ...}` event, parsed
         self.done = False  # `data: [DONE]` received
         self.exception = None  # client-side: connection cut, read timeout
+        self.reached = threading.Event()  # KILL_AFTER tokens received, or the stream ended
 
     def run(self) -> None:
         body = {"model": self.server.model, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
@@ -97,9 +102,13 @@ class Stream(threading.Thread):
                         self.error_event = event["error"]
                         continue
                     self.tokens += 1
+                    if self.tokens >= KILL_AFTER:
+                        self.reached.set()
                     self.finish_reason = event["choices"][0]["finish_reason"] or self.finish_reason
         except (requests.RequestException, ValueError) as e:
             self.exception = type(e).__name__
+        finally:
+            self.reached.set()  # never leave the killer waiting on a dead stream
 
     def outcome(self) -> tuple:
         """How it ended, without the timing-dependent token count."""
@@ -134,10 +143,8 @@ def kill_mid_run(server: Server, target: str, end_within: float = STREAMS_END_WI
     for s in streams:
         s.start()
     deadline = time.monotonic() + MID_RUN_WITHIN
-    while min(s.tokens for s in streams) < KILL_AFTER and time.monotonic() < deadline:
-        if not any(s.is_alive() for s in streams):
-            break
-        time.sleep(0.1)
+    for s in streams:  # woken by the stream itself, not by polling
+        s.reached.wait(max(0.0, deadline - time.monotonic()))
     rec = {"tokens_at_kill": [s.tokens for s in streams],
            "compactions_at_kill": server.metric("vllm_kvevict_compactions_total"),
            "tree": {k: len(v) for k, v in tree.items()}, "processes_before": len(before)}
