@@ -152,10 +152,10 @@ def stock_ids(model_path: str, dtype: str) -> list[list[int]]:
     return _STOCK[dtype]
 
 
-# The suite's plugin server: test_server.py, test_load.py and the plugin's first
+# The suite's plugin server: test_server.py, test_load.py, test_soak.py and the plugin's first
 # server of test_worker_fault.py (which kills it: the next user gets a new one).
 H2O_SERVER_ARGS = ("--kv-eviction", "h2o", "--kv-budget", "64", "--max-num-seqs", "64")
-H2O_SERVER_FILES = ("test_load.py", "test_server.py", "test_worker_fault.py")
+H2O_SERVER_FILES = ("test_load.py", "test_soak.py", "test_server.py", "test_worker_fault.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

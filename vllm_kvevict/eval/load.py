@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import sys
 import time
 
@@ -57,6 +56,8 @@ def make_requests(n: int, cancel_frac: float, seed: int) -> list[dict]:
 def body(server: Server, req: dict, stream: bool) -> tuple[str, dict]:
     b = {"model": server.model, "max_tokens": req["max_tokens"], "temperature": 0,
          "ignore_eos": True, "stream": stream}
+    if req.get("xargs"):  # per-request eviction settings (soak.py)
+        b["vllm_xargs"] = req["xargs"]
     if req["chat"]:
         b["messages"] = [{"role": "user", "content": req["prompt"]}]
         return "/v1/chat/completions", b

@@ -1,0 +1,40 @@
+"""A short run of the soak (`python -m vllm_kvevict.eval.soak`, the full one is
+2,400 requests) against real servers: per-request budgets, client
+cancellations, preemption, prompt modules with schemas added and removed
+beside the load. After each phase vLLM's own accounting must show the pool
+whole (pinned module blocks aside, then none once the schema is removed), no
+response may carry another request's code word, nothing may fail, and the
+engine core must be the one the phase started with."""
+
+import pytest
+
+from vllm_kvevict.eval import soak
+from vllm_kvevict.eval.server import Server
+
+
+def test_h2o_phase_on_the_shared_server(h2o_server):
+    """conftest.H2O_SERVER_ARGS: budget 64, so per-request budgets are 32 or 64."""
+    reqs = soak.make_requests(60, 64, cancel=0.15, seed=3)
+    row = soak.run_phase("h2o", h2o_server, reqs, wave=30)
+    assert soak.checks(row) == [], row
+    assert row["own_budget"] > 0 and row["cancelled"] > 0 and row["tokens_evicted"] > 0, row
+    assert row["completed"] + row["cancelled"] == len(reqs), row
+
+
+@pytest.fixture(scope="module")
+def modules_server(model_path):
+    args, env = soak.PHASES["modules"]  # snapkv, a short pool
+    with Server(model_path, *args, env=env) as srv:
+        yield srv
+
+
+def test_modules_phase_with_schema_churn_and_preemption(modules_server):
+    schema = soak.register_schema(modules_server, "soak", 4)
+    reqs = soak.make_requests(40, 128, cancel=0.15, seed=4, schema=schema)
+    row = soak.run_phase("modules", modules_server, reqs, wave=20, churn_seed=4)
+    soak.remove_schema(modules_server, row, "soak")
+    assert soak.checks(row) == [], row
+    assert row["kv_usage_start"] > 0  # the pinned module blocks were counted
+    assert row["pml"] > 0 and row["churn"]["registered"] >= 1, row
+    assert row["preemptions"] > 0, row  # the pool really was short
+    assert row["kv_usage_after_removal"] == 0, row
