@@ -153,9 +153,11 @@ def main() -> None:
 
     from transformers import AutoConfig, AutoTokenizer
 
+    from vllm_kvevict.calibrate import calibrate
     from vllm_kvevict.models import ensure_smollm2
 
     model = ensure_smollm2()
+    calibrate(model)  # the offload engines' skewing file (kept when already there)
     args.q_heads = AutoConfig.from_pretrained(model).num_attention_heads
     reqs = prompts(AutoTokenizer.from_pretrained(model), args.requests, args.prompt)
     b = {"kv_budget": args.budget}

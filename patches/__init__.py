@@ -11,9 +11,9 @@ original, delegates to it, and refuses to patch twice.
 | runner_update_states   | GPUModelRunner._update_states                 |
 | request_validation     | InputProcessor._validate_params               |
 | kv_manager_modules     | KVCacheManager.get_computed_blocks / free     |
-| engine_core_modules    | EngineCore.kvevict_modules (added)            |
+| engine_core_modules    | EngineCore.kvevict_modules (added) / .preprocess_add_request |
 | runner_positions       | GPUModelRunner._prepare_inputs                |
-| input_processor_pml    | InputProcessor.process_inputs                 |
+| input_processor_pml    | InputProcessor.process_inputs / .assign_request_id |
 | ray_on_cpu             | CpuPlatform.ray_device_key, RayExecutorV2._get_actor_resource_kwargs / _init_executor, RayWorkerProc.get_node_and_physical_gpu_ids / initialize_worker |
 """
 

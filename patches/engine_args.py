@@ -11,7 +11,10 @@ HOW: add an argument group; fold the parsed values into
      FlashAttention wrapper, see integration/select.py). With offload on, set
      kv_transfer_config to our KV connector (integration/offload_connector.py,
      whose per-layer hooks carry InfiniGen's prefetch) and enforce_eager (the
-     connector reads attention inputs through a Python forward hook).
+     connector reads attention inputs through a Python forward hook), and
+     check that InfiniGen's skewing file exists and fits the model, so a
+     missing one stops startup naming `python -m vllm_kvevict.calibrate`
+     instead of a worker calibrating mid-step.
 UPSTREAM: a plugin API to register engine CLI arguments.
 """
 
@@ -19,7 +22,8 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_kvevict.config import FLAGS, POLICIES, VICTIMS, EvictionConfig, EvictionConfigError
+from vllm_kvevict.config import (FLAGS, POLICIES, VICTIMS, EvictionConfig, EvictionConfigError,
+                                  ModuleLimits)
 
 from . import mark_patched
 
@@ -50,6 +54,15 @@ _HELP = {
                   "query/key that predicts attention. Default: 0.3.",
     "kv_host_victim": "Offload: which block the full host pool drops: counter "
                       "(InfiniGen), lru or fifo. Default: counter.",
+    "kv_skewing": "Offload: the InfiniGen skewing file to use. Default: the one "
+                  "`python -m vllm_kvevict.calibrate MODEL` wrote to its cache; startup "
+                  "stops, naming that command, when there is none.",
+    "kv_max_schemas": "Prompt modules: schemas that clients may register at once through "
+                      "/v1/kvevict/schemas, per API server process; 0 turns registration "
+                      "off. Default: 64.",
+    "kv_max_pinned": "Prompt modules: share of the KV block pool that registered schemas' "
+                     "module blocks may pin (e.g. 0.5 or 50%%); a schema past it is refused "
+                     "with 413. Default: 0.5.",
 }
 
 
@@ -75,6 +88,7 @@ def apply() -> None:
         given = {k: getattr(args, k) for k in FLAGS if getattr(args, k, None) is not None}
         if given:
             EvictionConfig.from_dict(given)  # fail now, naming the flag
+            ModuleLimits.from_dict(given)
             engine_args.additional_config = {**(engine_args.additional_config or {}), **given}
         return engine_args
 
@@ -82,6 +96,7 @@ def apply() -> None:
         from vllm_kvevict.integration.select import select_attention_backend
 
         cfg = EvictionConfig.from_dict(self.additional_config or {})
+        ModuleLimits.from_dict(self.additional_config)  # a bad value stops startup
         if cfg.offload:
             from vllm.platforms import current_platform
 
@@ -105,10 +120,16 @@ def apply() -> None:
             self.kv_transfer_config = KVTransferConfig(kv_connector=CONNECTOR_NAME,
                                                        kv_role="kv_both")
             self.enforce_eager = True
+            if cfg.skewing:  # the absolute path: workers may run in another directory
+                self.additional_config = {**self.additional_config, "kv_skewing": cfg.skewing}
         select_attention_backend(self, cfg)
         vllm_config = create_engine_config.__kvevict_original__(self, *args, **kwargs)
         if cfg.enabled:
             cfg.check_block_size(vllm_config.cache_config.block_size)
+        if cfg.offload:  # before any worker: they load the file, never compute it
+            from vllm_kvevict.integration.offload_attention import check_skewing
+
+            check_skewing(vllm_config, cfg)
         return vllm_config
 
     mark_patched(EngineArgs, "add_cli_args", staticmethod(add_cli_args))

@@ -80,6 +80,27 @@ def model_path():
     return ensure_smollm2()
 
 
+@pytest.fixture(scope="session")
+def calibrated(model_path, tmp_path_factory):
+    """InfiniGen's skewing of the suite's model, written once per session by the
+    command a user runs (`python -m vllm_kvevict.calibrate MODEL`) into a fresh
+    cache, which VLLM_KVEVICT_SKEWING then points every later engine and server
+    (they inherit the environment) at: offload engines refuse to start without
+    it. Returns the file's path (the command's last line of output)."""
+    cache = str(tmp_path_factory.mktemp("skewing"))
+    proc = subprocess.run([sys.executable, "-m", "vllm_kvevict.calibrate", model_path],
+                          env=dict(os.environ, VLLM_KVEVICT_SKEWING=cache),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = os.environ.get("VLLM_KVEVICT_SKEWING")
+    os.environ["VLLM_KVEVICT_SKEWING"] = cache
+    yield proc.stdout.strip().splitlines()[-1]
+    if before is None:
+        os.environ.pop("VLLM_KVEVICT_SKEWING", None)
+    else:
+        os.environ["VLLM_KVEVICT_SKEWING"] = before
+
+
 def make_llm(model_path, **kwargs):
     from vllm import LLM
 

@@ -1,7 +1,8 @@
 """InfiniGen offload in the real engine: SmolLM2-135M through vLLM, the host
-tier read from the worker, blocks read from vLLM's BlockPool. float32: the host
-path's torch attention and the stock kernel round alike there. Stock is vLLM
-without the plugin (conftest.stock_ids, shared with test_engine.py)."""
+tier read from the worker, blocks read from vLLM's BlockPool, the skewing from
+the file `python -m vllm_kvevict.calibrate` wrote (conftest.calibrated).
+float32: the host path's torch attention and the stock kernel round alike
+there. Stock is vLLM without the plugin (conftest.stock_ids, shared with test_engine.py)."""
 
 import pytest
 from conftest import PROMPTS, STOCK_TOKENS, stock_ids
@@ -9,6 +10,8 @@ from conftest import PROMPTS, STOCK_TOKENS, stock_ids
 from vllm_kvevict.planner import max_blocks_per_request
 
 BUDGET = 64  # resident tokens; block 32
+# The skewing file the calibration command wrote this session: the engines load it.
+pytestmark = pytest.mark.usefixtures("calibrated")
 
 
 def greedy(max_tokens, **kw):

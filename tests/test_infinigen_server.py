@@ -6,7 +6,7 @@ from vllm_kvevict.eval.server import Server
 
 
 @pytest.fixture(scope="module")
-def server(model_path):
+def server(model_path, calibrated):  # the server finds the session's skewing file
     with Server(model_path, "--kv-eviction", "infinigen", "--kv-budget", "64",
                 "--kv-swap-space", "64MiB") as srv:
         yield srv

@@ -9,6 +9,7 @@ Every error names the flag, so a bad value fails at startup, never mid-request.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -30,6 +31,9 @@ FLAGS = {
     "kv_prefetch": "--kv-prefetch",
     "kv_partial": "--kv-partial",
     "kv_host_victim": "--kv-host-victim",
+    "kv_skewing": "--kv-skewing",
+    "kv_max_schemas": "--kv-max-schemas",  # ModuleLimits: the prompt-module schema routes
+    "kv_max_pinned": "--kv-max-pinned",
 }
 
 
@@ -100,6 +104,8 @@ class EvictionConfig:
              request's length (the paper's 20 %).
     partial: fraction of the head dimension in the partial query/key (30 %).
     host_victim: "counter" (the paper), "lru" or "fifo".
+    skewing: the skewing file (absolute path); None: the one
+             `python -m vllm_kvevict.calibrate MODEL` wrote to its cache.
     """
 
     policy: str = "none"
@@ -112,6 +118,7 @@ class EvictionConfig:
     prefetch: float = 0.2
     partial: float = 0.3
     host_victim: str = "counter"
+    skewing: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -169,6 +176,10 @@ class EvictionConfig:
             raise EvictionConfigError(
                 f"{_flag('kv_swap_space')} needs an eviction policy: it holds what "
                 f"--kv-eviction evicts (try --kv-eviction infinigen)")
+        if offload.get("skewing") and not (policy == "infinigen" or offload.get("swap_space")):
+            raise EvictionConfigError(
+                f"{_flag('kv_skewing')} is for KV offload: add --kv-eviction infinigen "
+                f"or --kv-swap-space")
         return cls(policy=policy, budget=budget, recent=recent, sink=sink, window=window,
                    **offload)
 
@@ -180,6 +191,8 @@ class EvictionConfig:
             out.update(kv_swap_space=self.swap_bytes, kv_alpha=self.alpha,
                        kv_prefetch=self.prefetch, kv_partial=self.partial,
                        kv_host_victim=self.host_victim)
+            if self.skewing:
+                out["kv_skewing"] = self.skewing
         return out
 
     def check_block_size(self, block_size: int) -> None:
@@ -299,4 +312,43 @@ def _offload_settings(raw: dict[str, Any]) -> dict[str, Any]:
                 f"{_flag('kv_host_victim')}: unknown victim policy {raw['kv_host_victim']!r}; "
                 f"choose one of {', '.join(VICTIMS)}")
         out["host_victim"] = victim
+    if raw.get("kv_skewing") not in (None, ""):
+        # Absolute: workers may run with another working directory.
+        out["skewing"] = os.path.abspath(os.path.expanduser(str(raw["kv_skewing"])))
     return out
+
+
+@dataclass(frozen=True)
+class ModuleLimits:
+    """What clients may pin through the prompt-module schema routes
+    (integration/server_routes.py; offline `register_schema` is not limited).
+
+    max_schemas: schemas registered at once in one API server process (each
+                 has its own registry); 0 turns registration off.
+    max_pinned:  share of the engine's KV block pool that module blocks may
+                 hold, in (0, 1]; the rest stays free for requests.
+    """
+
+    max_schemas: int = 64
+    max_pinned: float = 0.5
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> "ModuleLimits":
+        """Parse `kv_max_schemas` / `kv_max_pinned` of `additional_config`."""
+        raw = raw or {}
+        count = raw.get("kv_max_schemas", cls.max_schemas)
+        if isinstance(count, str) and count.strip().isdigit():
+            count = int(count)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise EvictionConfigError(
+                f"{_flag('kv_max_schemas')} must be a schema count >= 0, got {count!r}")
+        share = raw.get("kv_max_pinned", cls.max_pinned)
+        try:
+            share = _number("kv_max_pinned", share)
+            if share > 1:  # _number reads 2 as a token count
+                raise EvictionConfigError
+        except EvictionConfigError:
+            raise EvictionConfigError(
+                f"{_flag('kv_max_pinned')} must be a share of the KV pool in (0, 1] "
+                f"(0.5 or 50%), got {share!r}") from None
+        return cls(max_schemas=count, max_pinned=float(share))

@@ -21,17 +21,49 @@ attention does not care about order, only positions. So a request's tokens
 are laid out as [full blocks of each unit] + [private tokens: unit tails,
 parameter values, free text], each with its schema position. The full blocks
 are shared; everything private is computed by the request.
+
+Cache salts. vLLM's prefix cache finds a block by its tokens and the
+request's cache salt. A module request's blocks hold KV at schema positions,
+so its salt must be one no client can send: an HMAC under a server secret,
+in a namespace (SALT_PREFIX) that client salts may not use.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
+import os
 import re
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vllm_kvevict.pml import Import, Module, Param, PMLError, Prompt, Schema, Text, Union
 
 Tokenize = Callable[[str], list[int]]
+
+SALT_PREFIX = "kvevict:"  # module requests' cache salts; refused from clients
+SALT_KEY_ENV = "KVEVICT_SALT_KEY"  # not VLLM_*: vLLM warns about unknown VLLM_ variables
+
+
+def salt_key() -> bytes:
+    """This server's secret for module cache salts. Made on first use and put
+    into the environment, so that processes started later inherit it: the
+    plugin loads (and calls this) in `vllm serve`'s main process before it
+    spawns the API servers of `--api-server-count`, which compute the salts.
+    Set it yourself to share it between hosts."""
+    key = os.environ.get(SALT_KEY_ENV)
+    if not key:
+        key = os.environ[SALT_KEY_ENV] = secrets.token_hex(32)
+    return key.encode()
+
+
+def salt(*parts) -> str:
+    """The cache salt of a module request described by `parts` (JSON values):
+    the same parts give the same salt in every process sharing the key."""
+    message = json.dumps(parts, separators=(",", ":")).encode()
+    return SALT_PREFIX + hmac.new(salt_key(), message, hashlib.sha256).hexdigest()
 
 
 @dataclass
@@ -61,6 +93,10 @@ class SchemaLayout:
     def key(self, unit: str) -> str:
         """The engine-wide name of a unit's encoded blocks."""
         return f"{self.name}/{unit}"
+
+    def shared_blocks(self, block_size: int) -> int:
+        """The KV blocks registering this schema pins (its units' full blocks)."""
+        return sum(len(u.tokens) // block_size for u in self.units.values())
 
     def summary(self, block_size: int) -> dict:
         return {"name": self.name, "positions": self.end, "modules": [

@@ -25,28 +25,32 @@ is orthogonal, so q~ k~^T is still exact): then the partial channels are
 Everything here is tensors in, tensors out, with no vLLM import. Only
 :func:`collect_qk` / :func:`compute_skewing` / :func:`load_or_compute` touch a
 Hugging Face model (Llama-style attention modules with q_proj / k_proj and
-a ``position_embeddings`` argument).
+a ``position_embeddings`` argument), and only offline: a serving engine never
+computes a skewing. ``python -m vllm_kvevict.calibrate MODEL``
+(:mod:`vllm_kvevict.calibrate`) writes it once; at startup the engine finds it
+with :func:`locate` (or stops, naming that command) and checks it against the
+model with :func:`check_file`; workers only load it.
 
 Cache: :func:`load_or_compute` stores the result as safetensors under
 :func:`skewing_dir` (``$VLLM_KVEVICT_SKEWING``, else
 ``~/.cache/vllm_kvevict/skewing``, beside the converted models of
 :mod:`vllm_kvevict.models`), keyed by the model directory and a hash of its
-``config.json`` and the calibration parameters; it is computed once.
-
-CLI: ``python -m vllm_kvevict.skewing [MODEL_DIR]`` computes (or finds) the
-default skewing of SmolLM2 and prints the file's path.
+``config.json`` and the calibration parameters (:func:`cache_path`); a serving
+engine looks for the default calibration at the partial fraction it runs with
+(:func:`default_path`).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from vllm_kvevict.config import EvictionConfigError
 
 FORMAT_VERSION = "1"
 DEFAULT_FRACTION = 0.3
@@ -376,12 +380,13 @@ def collect_qk(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch
         q = module.q_proj(x).view(*x.shape[:-1], -1, d).transpose(1, 2)
         k = module.k_proj(x).view(*x.shape[:-1], -1, d).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        out.append((q[0].float(), k[0].float()))
+        # On the CPU: a big model calibrates on a GPU, its per-layer SVDs are small.
+        out.append((q[0].float().cpu(), k[0].float().cpu()))
 
     for m in _attention_modules(model):
         handles.append(m.register_forward_pre_hook(hook, with_kwargs=True))
     try:
-        model(input_ids, use_cache=False)
+        model(input_ids.to(model.device), use_cache=False)
     finally:
         for h in handles:
             h.remove()
@@ -453,12 +458,13 @@ def calibration_ids(tokenizer, doc: str, seed: int, n_tokens: int) -> torch.Tens
     return torch.tensor([tokenizer(inst["context"])["input_ids"]])
 
 
-def load_model(model_dir: str | os.PathLike):
-    """(model, tokenizer): the HF checkpoint in float32 with eager attention."""
+def load_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
+               device: str = "cpu"):
+    """(model, tokenizer): the HF checkpoint (default float32) with eager attention."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
+                                                 attn_implementation="eager").to(device).eval()
     return model, AutoTokenizer.from_pretrained(str(model_dir))
 
 
@@ -467,13 +473,15 @@ def load_or_compute(model_dir: str | os.PathLike, fraction: float = DEFAULT_FRAC
                     seed: int = DEFAULT_CALIBRATION["seed"],
                     n_tokens: int = DEFAULT_CALIBRATION["n_tokens"],
                     cache_dir: str | os.PathLike | None = None, model=None,
-                    tokenizer=None) -> Skewing:
+                    tokenizer=None, recompute: bool = False) -> Skewing:
     """The skewing of the checkpoint ``model_dir``, from the cache or computed
     once (calibration text: the perplexity passage of ``doc``, ``n_tokens``
-    tokens) and stored. ``model`` / ``tokenizer``: already loaded ones to reuse."""
+    tokens) and stored. ``model`` / ``tokenizer``: already loaded ones to reuse;
+    ``recompute``: replace a cached file. Offline only (calibrate.py, the dense
+    evaluation): serving engines :func:`locate` the file instead."""
     params = dict(fraction=fraction, skew=skew, doc=doc, seed=seed, n_tokens=n_tokens)
     path = cache_path(model_dir, cache_dir, **params)
-    if path.is_file():
+    if path.is_file() and not recompute:
         return Skewing.load(path)
     if model is None or tokenizer is None:
         model, tokenizer = load_model(model_dir)
@@ -486,15 +494,102 @@ def load_or_compute(model_dir: str | os.PathLike, fraction: float = DEFAULT_FRAC
     return result
 
 
-def main(argv: list[str]) -> int:
-    from vllm_kvevict.models import ensure_smollm2
+# ---------------------------------------------------------------------------
+# Serving: find the file, check it fits, never compute
+# ---------------------------------------------------------------------------
 
-    model_dir = argv[0] if argv else ensure_smollm2()
-    load_or_compute(model_dir)
-    print(cache_path(model_dir, **dict(fraction=DEFAULT_FRACTION, skew=True,
-                                       **DEFAULT_CALIBRATION)))
-    return 0
+class SkewingFileError(EvictionConfigError):
+    """No usable skewing file for a serving engine (missing, or not this model's);
+    the message says how to make one."""
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+def model_directory(model: str | os.PathLike) -> Path:
+    """The local directory of ``model``: a path, or a Hugging Face repo id already
+    in the local hub cache (vLLM fetches its config.json before this is asked)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(model), local_files_only=True)).resolve()
+    except Exception as e:  # not cached, offline, bad id: all say "not here"
+        raise FileNotFoundError(f"{model}: not a model directory nor a cached Hugging "
+                                f"Face model ({type(e).__name__})") from e
+
+
+def default_path(model: str | os.PathLike, fraction: float = DEFAULT_FRACTION) -> Path:
+    """Where ``python -m vllm_kvevict.calibrate MODEL`` writes, and where a serving
+    engine looks: :func:`cache_path` of the default calibration."""
+    return cache_path(model_directory(model), fraction=fraction, skew=True,
+                      **DEFAULT_CALIBRATION)
+
+
+def calibrate_command(model: str | os.PathLike, fraction: float = DEFAULT_FRACTION,
+                      output: str | os.PathLike | None = None) -> str:
+    """The shell command that writes the skewing a serving engine looks for.
+    It carries $VLLM_KVEVICT_SKEWING when set, so it writes where the engine looks."""
+    import shlex
+
+    path = Path(model).expanduser()
+    words = ["python", "-m", "vllm_kvevict.calibrate",
+             str(path.resolve()) if path.is_dir() else str(model)]
+    if fraction != DEFAULT_FRACTION:
+        words += ["--partial", f"{fraction:g}"]
+    if output is not None:
+        words += ["--output", str(output)]
+    env = os.environ.get("VLLM_KVEVICT_SKEWING") if output is None else None
+    return (f"VLLM_KVEVICT_SKEWING={shlex.quote(env)} " if env else "") + shlex.join(words)
+
+
+def locate(model: str | os.PathLike, fraction: float = DEFAULT_FRACTION,
+           explicit: str | os.PathLike | None = None) -> Path:
+    """The skewing file a serving engine uses: ``explicit`` (--kv-skewing), else
+    :func:`default_path`. Raises :class:`SkewingFileError` naming the command that
+    writes it: calibration loads the whole model in float32, which a serving
+    worker (one per tensor-parallel rank, mid-step) must never do."""
+    if explicit is not None:
+        path = Path(explicit).expanduser()
+        if not path.is_file():
+            raise SkewingFileError(
+                f"--kv-skewing (additional_config['kv_skewing']): no file {path}; write it "
+                f"once, offline, with:\n    {calibrate_command(model, fraction, path)}")
+        return path
+    try:
+        path = default_path(model, fraction)
+    except FileNotFoundError as e:
+        where = str(e)
+    else:
+        if path.is_file():
+            return path
+        where = f"none at {path}"
+    raise SkewingFileError(
+        f"KV offload (--kv-eviction infinigen / --kv-swap-space) needs InfiniGen's skewing "
+        f"of {model}, computed once, offline ({where}). Run:\n"
+        f"    {calibrate_command(model, fraction)}\n"
+        f"then start again (or point --kv-skewing at a file it wrote).")
+
+
+def check_file(path: str | os.PathLike, num_layers: int, num_kv_heads: int, head_dim: int,
+               fraction: float = DEFAULT_FRACTION) -> None:
+    """Refuse a skewing file that does not fit the model being served (reads the
+    safetensors header only), so a wrong file stops startup, not a decode step."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            a_shape = tuple(f.get_slice("a").get_shape())
+            c = f.get_slice("cols").get_shape()[-1]
+    except Exception as e:
+        raise SkewingFileError(f"{path}: not a skewing file ({e})") from e
+    want = (num_layers, num_kv_heads, head_dim, head_dim)
+    if a_shape != want:
+        raise SkewingFileError(
+            f"{path}: a skewing of {a_shape[0]} layers x {a_shape[1]} KV heads x head "
+            f"dim {a_shape[2]}, but the model has {num_layers} x {num_kv_heads} x "
+            f"{head_dim}: calibrate this model")
+    if c != num_partial(head_dim, fraction):
+        raise SkewingFileError(
+            f"{path}: {c} partial channels, but --kv-partial {fraction:g} means "
+            f"{num_partial(head_dim, fraction)}; calibrate with --partial {fraction:g} or "
+            f"serve with the --kv-partial the file was made for")

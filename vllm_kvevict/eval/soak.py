@@ -219,6 +219,10 @@ def checks(row: dict) -> list[str]:
 def soak_phase(name: str, model: str, n: int, seed: int, wave: int) -> dict:
     """Start the phase's server, (modules: register the schema,) run, stop."""
     args, env = PHASES[name]
+    if name == "offload":  # its server needs the model's skewing file: made once, offline
+        from vllm_kvevict.calibrate import calibrate
+
+        calibrate(model)
     with Server(model, *args, env=env) as srv:
         schema = register_schema(srv, "soak", 4) if name == "modules" else None
         reqs = make_requests(n, 128, cancel=0.15, seed=seed, schema=schema)

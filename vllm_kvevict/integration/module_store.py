@@ -25,9 +25,41 @@ from vllm.v1.request import RequestStatus
 LAYOUT_KEY = "kvevict_layout"  # SamplingParams.extra_args key, set by prompt_modules
 
 
+_LAYOUT_FIELDS = ("positions", "imports", "pin", "nonce")
+
+
 def layout_of(request) -> dict | None:
     extra = getattr(getattr(request, "sampling_params", None), "extra_args", None)
     return extra.get(LAYOUT_KEY) if extra else None
+
+
+def layout_problem(layout, prompt_token_ids, max_model_len: int | None) -> str | None:
+    """Why `layout` cannot go with this prompt, or None. Asked at admission by
+    the frontend and again by the engine core, since the scheduler, the KV
+    manager and the runner read layouts unchecked: a malformed one must fail
+    its own request there, never an engine step."""
+    if not isinstance(layout, dict):
+        return f"{LAYOUT_KEY} must be a dict, got {type(layout).__name__}"
+    unknown = sorted(repr(k) for k in layout if k not in _LAYOUT_FIELDS)
+    if unknown:
+        return f"{LAYOUT_KEY}: unknown key {unknown[0]}"
+    if prompt_token_ids is None:
+        return f"{LAYOUT_KEY} needs the prompt's token ids (embeddings cannot import modules)"
+    n, pos = len(prompt_token_ids), layout.get("positions")
+    if (not isinstance(pos, (list, tuple)) or len(pos) != n
+            or not all(type(p) is int for p in pos)):
+        return f"{LAYOUT_KEY}: positions must list one position per prompt token ({n} integers)"
+    if n and not (min(pos) >= 0 and (max_model_len is None or max(pos) < max_model_len)):
+        return f"{LAYOUT_KEY}: positions must lie in [0, max_model_len={max_model_len})"
+    imports = layout.get("imports", [])
+    if not (isinstance(imports, (list, tuple)) and all(
+            isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[0], str)
+            and type(i[1]) is int and i[1] > 0 for i in imports)
+            and sum(i[1] for i in imports) <= n):
+        return f"{LAYOUT_KEY}: imports must be [module key, token count] pairs within the prompt"
+    if not isinstance(layout.get("pin", ""), str):
+        return f"{LAYOUT_KEY}: pin must be a module key (a string)"
+    return None
 
 
 @dataclass
@@ -130,6 +162,12 @@ class ModuleStore:
                 self.manager.block_pool.free_blocks(reversed(blocks))
                 released += len(blocks)
         return released
+
+    def usage(self) -> dict[str, int]:
+        """Blocks the store pins (every group) and the pool's size, for the
+        frontend's --kv-max-pinned check."""
+        pinned = sum(len(blocks) for e in self.entries.values() for blocks in e.blocks)
+        return {"pinned_blocks": pinned, "pool_blocks": self.manager.block_pool.num_gpu_blocks}
 
     def describe(self) -> dict[str, dict]:
         """key -> tokens, block ids and vLLM's ref_cnt of each pinned block."""

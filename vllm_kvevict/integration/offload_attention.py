@@ -3,9 +3,12 @@ decode attention (the vLLM-free parts are in vllm_kvevict/offload.py).
 
   evicted_entries  at compaction, the K/V of the tokens the resident policy
                    drops, gathered before the kept ones overwrite them
+  check_skewing    at engine-config time, before any worker: the skewing
+                   file exists and fits the model, else startup stops naming
+                   `python -m vllm_kvevict.calibrate` (calibrate.py)
   host_tier        the worker's HostTier, made on first use: the model's
-                   skewing (skewing.load_or_compute, cached on disk), this
-                   rank's KV heads, a pool of --kv-swap-space bytes
+                   skewing, loaded from that file (never computed in a
+                   worker), this rank's KV heads, a pool of --kv-swap-space bytes
   host_decode      after the stock kernel has attended the resident cache,
                    decode rows of requests with host entries are attended
                    again over resident + host entries, and replace the stock
@@ -38,13 +41,29 @@ def layer_index(name: str) -> int:
     return int(m.group(1))
 
 
+def check_skewing(vllm_config, cfg):
+    """The skewing file the workers will load (skewing.locate), checked against
+    the model. Runs in the engine's create_engine_config, before any worker
+    starts, so a missing or wrong file stops startup with the command to run."""
+    from vllm_kvevict import skewing
+
+    mc = vllm_config.model_config
+    path = skewing.locate(mc.model, cfg.partial, cfg.skewing)
+    skewing.check_file(path, mc.get_total_num_hidden_layers(), mc.get_total_num_kv_heads(),
+                       mc.get_head_size(), cfg.partial)
+    logger.info("vllm_kvevict: InfiniGen skewing %s", path)
+    return path
+
+
 def host_tier(state, layout, dtype: torch.dtype) -> HostTier:
-    """The worker's host tier, made on first use."""
+    """The worker's host tier, made on first use. Loads the skewing file and
+    never computes it: that loads the whole model (calibrate.py does it offline)."""
     if state.host is None:
         from vllm_kvevict import skewing
 
         cfg = state.cfg
-        sk = skewing.load_or_compute(state.model_dir, fraction=cfg.partial).packed()
+        path = skewing.locate(state.model_dir, cfg.partial, cfg.skewing)
+        sk = skewing.Skewing.load(path).packed()
         h_total, h = sk.num_kv_heads, layout.num_kv_heads
         first = (_tp_rank() * h) % h_total  # this rank's KV heads
         a = sk.a[:, first:first + h]

@@ -15,19 +15,27 @@ max_tokens=1); the engine core pins the full blocks as the request ends
 message, is rewritten by the input processor (patches/input_processor_pml.py)
 into token ids in physical order plus a layout in SamplingParams.extra_args:
 the positions of every prompt token and the modules whose blocks open it.
+
+Clients are not trusted with either: a layout must carry this process's
+nonce (check_request, on every request the input processor builds), and the
+cache salts of module requests are HMACs under a server key
+(prompt_layout.salt) in a namespace client salts may not use. Schemas
+registered over HTTP are bounded by --kv-max-schemas and --kv-max-pinned.
 """
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
 import secrets
 import threading
 import uuid
+from collections.abc import Callable
 
-from vllm_kvevict.config import EvictionConfig
-from vllm_kvevict.integration.module_store import LAYOUT_KEY
+from vllm_kvevict.config import EvictionConfig, ModuleLimits
+from vllm_kvevict.integration.module_store import LAYOUT_KEY, layout_problem
 from vllm_kvevict.pml import PMLError, find_prompt, parse_prompt, parse_schema
-from vllm_kvevict.prompt_layout import SchemaLayout, layout_prompt, layout_schema
+from vllm_kvevict.prompt_layout import (SALT_PREFIX, SchemaLayout, layout_prompt, layout_schema,
+                                        salt)
 
 # Layouts are only accepted from this process's own code: a client that sends
 # `vllm_xargs: {"kvevict_layout": ...}` could otherwise pin or read any blocks.
@@ -42,10 +50,14 @@ class SchemaRegistry:
         self.pending: set[str] = set()  # being encoded
         self.lock = threading.Lock()
 
-    def reserve(self, name: str) -> None:
+    def reserve(self, name: str, admit: Callable[[int], None] | None = None) -> None:
+        """Claim `name`; `admit(schemas registered or pending)` may refuse it
+        (raises), under the same lock, so two registrations cannot both pass."""
         with self.lock:
             if name in self.schemas or name in self.pending:
                 raise PMLError(f"schema {name!r} is already registered; remove it first")
+            if admit is not None:
+                admit(len(self.schemas) + len(self.pending))
             self.pending.add(name)
 
     def owner_of(self, module: str) -> str | None:
@@ -53,6 +65,29 @@ class SchemaRegistry:
 
 
 REGISTRY = SchemaRegistry()
+
+
+class SchemaLimitError(PMLError):
+    """A schema refused by --kv-max-schemas (403) or --kv-max-pinned (413)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def check_limits(limits: ModuleLimits, name: str, *, registered: int, pinned: int, new: int,
+                 pool: int) -> None:
+    """Refuse schema `name` (pinning `new` blocks) when `registered` schemas
+    exist already or `pinned` blocks of the `pool` are held by modules."""
+    if registered >= limits.max_schemas:
+        raise SchemaLimitError(403, f"schema {name!r} refused: {registered} schemas are "
+                                    f"registered and --kv-max-schemas is {limits.max_schemas}; "
+                                    f"remove one first")
+    cap = int(limits.max_pinned * pool)
+    if pinned + new > cap:
+        raise SchemaLimitError(413, f"schema {name!r} would pin {new} KV blocks and {pinned} are "
+                                    f"pinned already; --kv-max-pinned {limits.max_pinned:g} "
+                                    f"allows {cap} of the pool's {pool} blocks")
 
 
 def _check_engine(vllm_config) -> None:
@@ -70,9 +105,11 @@ def _tokenize(input_processor):
     return lambda text: list(tok.encode(text, add_special_tokens=False))
 
 
-def prepare_schema(pml: str, input_processor, vllm_config) -> tuple[SchemaLayout, list]:
+def prepare_schema(pml: str, input_processor, vllm_config, limits: ModuleLimits | None = None,
+                   usage: dict | None = None) -> tuple[SchemaLayout, list]:
     """Parse and lay out a schema; returns it with its encode requests
-    [(prompt dict, SamplingParams)]. Reserves the name (release on failure)."""
+    [(prompt dict, SamplingParams)]. Reserves the name (release on failure).
+    With `limits`, `usage` is the engine core's ModuleStore.usage()."""
     from vllm import SamplingParams
 
     _check_engine(vllm_config)
@@ -80,16 +117,20 @@ def prepare_schema(pml: str, input_processor, vllm_config) -> tuple[SchemaLayout
     if layout.end >= vllm_config.model_config.max_model_len:
         raise PMLError(f"schema {layout.name!r} spans {layout.end} positions; "
                        f"max_model_len is {vllm_config.model_config.max_model_len}")
-    REGISTRY.reserve(layout.name)
     bs = vllm_config.cache_config.block_size
+    admit = None if limits is None else (lambda registered: check_limits(
+        limits, layout.name, registered=registered, new=layout.shared_blocks(bs),
+        pinned=usage["pinned_blocks"], pool=usage["pool_blocks"]))
+    REGISTRY.reserve(layout.name, admit)
     requests = []
     for unit in layout.units.values():
         if len(unit.tokens) >= bs:  # shorter units have no full block to share
-            args = {LAYOUT_KEY: {"pin": layout.key(unit.name), "positions": unit.positions,
-                                 "nonce": _NONCE}}
-            salt = hashlib.sha256(repr(unit.positions).encode()).hexdigest()
-            requests.append(({"prompt_token_ids": unit.tokens, "cache_salt": salt},
-                             SamplingParams(max_tokens=1, temperature=0.0, extra_args=args)))
+            key = layout.key(unit.name)
+            args = {LAYOUT_KEY: {"pin": key, "positions": unit.positions, "nonce": _NONCE}}
+            prompt = {"prompt_token_ids": unit.tokens,
+                      "cache_salt": salt("encode", key, unit.positions)}
+            requests.append((prompt, SamplingParams(max_tokens=1, temperature=0.0,
+                                                    extra_args=args)))
     return layout, requests
 
 
@@ -154,17 +195,31 @@ def _call_core(client, op: str, arg: str):
 
 # --- server (AsyncLLM) ---------------------------------------------------------
 
-async def register_schema_async(engine, pml: str) -> dict:
-    layout, requests = prepare_schema(pml, engine.input_processor, engine.vllm_config)
-    try:
-        for prompt, params in requests:  # one at a time: each is a full prefill
-            async for _ in engine.generate(prompt, params, f"kvevict-encode-{uuid.uuid4().hex}"):
-                pass
-    except BaseException:
-        _finish(layout, False)
-        await engine.engine_core.call_utility_async("kvevict_modules", "drop", f"{layout.name}/")
-        raise
-    _finish(layout, True)
+# Registrations run one at a time: the --kv-max-pinned check reads the engine
+# core's pinned count, which a registration still encoding has not raised yet.
+_REGISTERING = asyncio.Lock()
+
+
+async def register_schema_async(engine, pml: str, limits: ModuleLimits | None = None) -> dict:
+    """Encode a schema's modules through `engine` (AsyncLLM); the HTTP route
+    passes the server's `limits` (SchemaLimitError when past one)."""
+    async with _REGISTERING:
+        usage = None
+        if limits is not None:
+            usage = await engine.engine_core.call_utility_async("kvevict_modules", "usage", "")
+        layout, requests = prepare_schema(pml, engine.input_processor, engine.vllm_config,
+                                          limits, usage)
+        try:
+            for prompt, params in requests:  # one at a time: each is a full prefill
+                async for _ in engine.generate(prompt, params,
+                                               f"kvevict-encode-{uuid.uuid4().hex}"):
+                    pass
+        except BaseException:
+            _finish(layout, False)
+            await engine.engine_core.call_utility_async("kvevict_modules", "drop",
+                                                        f"{layout.name}/")
+            raise
+        _finish(layout, True)
     return layout.summary(engine.vllm_config.cache_config.block_size)
 
 
@@ -203,19 +258,30 @@ def expand(input_processor, prompt: dict, params):
                        f"{params.max_tokens}: positions would pass max_model_len ({limit})")
     params.extra_args = {**(params.extra_args or {}), LAYOUT_KEY: {
         "positions": layout.positions, "imports": layout.imports, "nonce": _NONCE}}
-    # The salt keeps these blocks out of other requests' prefix-cache hits:
-    # the same tokens at other positions hold other keys.
-    salt = hashlib.sha256(repr((layout.positions, layout.imports)).encode()).hexdigest()
-    return {**prompt, "prompt_token_ids": layout.token_ids, "cache_salt": salt}, params
+    # The salt keeps these blocks out of other requests' prefix-cache hits
+    # (the same tokens at other positions hold other keys) and lets a later
+    # request with this layout find them. It is keyed, so a client cannot
+    # compute it and plant blocks under it; the client's own salt goes in,
+    # so tenants that salt their requests stay apart.
+    cache_salt = salt("prompt", layout.positions, layout.imports, prompt.get("cache_salt"))
+    return {**prompt, "prompt_token_ids": layout.token_ids, "cache_salt": cache_salt}, params
 
 
-def check_layout(params, prompt_len: int, max_model_len: int) -> None:
-    """Refuse a layout this process did not make, or one that does not fit."""
-    layout = (params.extra_args or {}).get(LAYOUT_KEY)
+def check_request(request, max_model_len: int | None) -> None:
+    """Refuse an EngineCoreRequest (whatever prompt form it came from) whose
+    layout this process did not make or that does not fit its prompt, or
+    whose cache salt is in the module namespace without being a module request."""
+    extra = getattr(request.sampling_params, "extra_args", None) or {}
+    layout = extra.get(LAYOUT_KEY)
     if layout is None:
+        if isinstance(request.cache_salt, str) and request.cache_salt.startswith(SALT_PREFIX):
+            err = PMLError(f"cache_salt values starting with {SALT_PREFIX!r} are reserved "
+                           f"for prompt modules")
+            err.parameter = "cache_salt"
+            raise err
         return
     if not isinstance(layout, dict) or layout.get("nonce") != _NONCE:
         raise PMLError(f"{LAYOUT_KEY} is internal to vllm_kvevict; send a PML prompt instead")
-    pos = layout.get("positions")
-    if len(pos) != prompt_len or not all(0 <= p < max_model_len for p in pos):
-        raise PMLError(f"{LAYOUT_KEY}: positions do not match the prompt")
+    problem = layout_problem(layout, request.prompt_token_ids, max_model_len)
+    if problem:
+        raise PMLError(problem)

@@ -9,6 +9,11 @@ vLLM loads endpoint plugins only when named in VLLM_PLUGINS (routes widen the
 server's surface), so the server runs with VLLM_PLUGINS=kvevict,kvevict_modules.
 Prompts that import modules need no route: they go to /v1/completions or
 /v1/chat/completions as PML text (patches/input_processor_pml.py).
+
+Access: vLLM's `--api-key` middleware guards every path under /v1, these
+included (401 without the key; tests/test_prompt_modules_server_limits.py).
+What clients may pin is bounded by --kv-max-schemas (403 past it) and
+--kv-max-pinned (413), read from the server's additional_config.
 """
 
 from __future__ import annotations
@@ -16,14 +21,18 @@ from __future__ import annotations
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from vllm_kvevict.config import ModuleLimits
 from vllm_kvevict.integration import prompt_modules as pm
 from vllm_kvevict.pml import PMLError
 
 router = APIRouter(prefix="/v1/kvevict")
 
 
+_KINDS = {403: "LimitExceededError", 404: "NotFoundError", 413: "LimitExceededError"}
+
+
 def _error(status: int, message: str) -> JSONResponse:
-    kind = "NotFoundError" if status == 404 else "BadRequestError"
+    kind = _KINDS.get(status, "BadRequestError")
     return JSONResponse(status_code=status,
                         content={"error": {"message": message, "type": kind, "code": status}})
 
@@ -37,10 +46,12 @@ async def register(request: Request):
     pml = body.get("pml") if isinstance(body, dict) else None
     if not isinstance(pml, str):
         return _error(400, "body must be JSON: {\"pml\": \"<schema ...>\"}")
+    engine = request.app.state.engine_client
+    limits = ModuleLimits.from_dict(engine.vllm_config.additional_config)
     try:
-        summary = await pm.register_schema_async(request.app.state.engine_client, pml)
+        summary = await pm.register_schema_async(engine, pml, limits)
     except PMLError as e:
-        return _error(400, str(e))
+        return _error(getattr(e, "status", 400), str(e))
     return JSONResponse(summary)
 
 
