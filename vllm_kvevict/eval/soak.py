@@ -89,7 +89,8 @@ async def churn_schemas(srv: Server, stop: asyncio.Event, seed: int) -> dict:
     `stop`. Returns counts; any non-200 is recorded as an error."""
     out = {"registered": 0, "removed": 0, "requests": 0, "errors": []}
     rng = random.Random(seed)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                     connector=load.connector()) as s:
         i = 0
         while not stop.is_set():
             name = f"churn{i}"
@@ -123,8 +124,7 @@ async def drive(srv: Server, reqs: list[dict], wave: int, churn_seed: int | None
     timeout = aiohttp.ClientTimeout(total=1800)
     results = []
     t0 = time.perf_counter()
-    async with aiohttp.ClientSession(timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=0)) as s:
+    async with aiohttp.ClientSession(timeout=timeout, connector=load.connector()) as s:
         for k in range(0, len(reqs), wave):
             results += await asyncio.gather(*(load.one(s, srv, r) for r in reqs[k:k + wave]))
     stop.set()
@@ -191,6 +191,8 @@ def run_phase(name: str, srv: Server, reqs: list[dict], wave: int = 48,
             "running_idle": total(idle, "vllm:num_requests_running") + total(idle, "vllm:num_requests_waiting"),
             "mixed": [r["id"] for r in done
                       if any(c in r["text"] and c != by_id[r["id"]]["code"] for c in codes)],
+            "server_errors": [line[:300] for line in srv.log().splitlines()
+                              if " ERROR " in line or line.startswith("Traceback")][:5],
             "engine_restarted": engine_cores(srv) != cores or not cores,
             "healthy": srv.healthy()}
 
