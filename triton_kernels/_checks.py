@@ -40,3 +40,27 @@ def float_vector(name: str, x: torch.Tensor, n: int, device) -> torch.Tensor:
     """A float32 (n,) copy of `x` on `device`."""
     expect(tuple(x.shape) == (n,), f"{name}: expected ({n},), got {tuple(x.shape)}")
     return x.to(device, torch.float32).contiguous()
+
+
+def in_place_safe(src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """The precondition of an in-place move that reads ahead of where it writes
+    (`compaction.compact_in_place`): per row, every dst slot j is src slot j or a
+    slot none of that row's sources use. Otherwise a write can land on a token
+    the row has yet to read (e.g. a private copy that is the row's own freed
+    tail block) and the newest kept tokens come out wrong.
+
+    src_slots (R, old_len), dst_slots (R, n_dst) int, one device. Vectorised:
+    one torch.isin over row-tagged slots; the only host read is the final
+    .any(), which is free for CPU tensors (the worker builds the slots on the
+    CPU) and one host-device sync for device tensors."""
+    r, n_src = src_slots.shape
+    n = min(n_src, dst_slots.shape[1])
+    src, dst = src_slots.long(), dst_slots.to(src_slots.device).long()
+    tag = torch.arange(r, device=src.device)[:, None] << 32  # rows never match each other
+    clash = torch.isin(dst + tag, src + tag)  # (R, n_dst): dst slot is some source's
+    clash[:, :n] &= dst[:, :n] != src[:, :n]  # ... other than its own index's
+    if bool(clash.any()):
+        row, j = (int(x) for x in clash.nonzero()[0])
+        expect(False, f"dst_slots break the in-place precondition: row {row} writes slot "
+               f"{int(dst[row, j])} at position {j}, a source of that row at another "
+               "position (a destination must be its own source slot or one no source uses)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from ._checks import expect, float_tensor, index_tensor, same_device
+from ._checks import expect, float_tensor, in_place_safe, index_tensor, same_device
 from .jit.compaction import compact_kernel
 
 BLOCK_T = 32  # destination tokens per tile
@@ -31,6 +31,10 @@ def compact_in_place(key_cache: torch.Tensor, value_cache: torch.Tensor,
 
     In place: dst slot j must be src slot j or a slot no source uses (vLLM's
     plans: the row keeps its first blocks, or a private copy of a shared one).
+    A plan that breaks this is refused (ValueError), checked per row with one
+    torch.isin on the slots as given: the worker passes CPU index tensors, so
+    the check's one host read (.any()) syncs with no device; device tensors
+    pay one sync.
     """
     float_tensor("key_cache", key_cache, 4)
     float_tensor("value_cache", value_cache, 4)
@@ -45,8 +49,10 @@ def compact_in_place(key_cache: torch.Tensor, value_cache: torch.Tensor,
     n_dst = dst_slots.shape[1]
     expect(n_dst % bs == 0 and new_len <= n_dst,
            f"dst_slots must cover whole blocks holding new_len={new_len}, got {n_dst}")
+    src_in, dst_in = src_slots, dst_slots
     src_slots = index_tensor("src_slots", src_slots, (r, src_slots.shape[1]), dev)
     dst_slots = index_tensor("dst_slots", dst_slots, (r, n_dst), dev)
+    in_place_safe(src_in, dst_in)  # where the caller built them (the worker: CPU)
     keep = index_tensor("keep", keep, (r, h, new_len), dev)
     if scores is not None:
         same_device(key_cache, scores)

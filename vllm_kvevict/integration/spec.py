@@ -139,6 +139,13 @@ class EvictableAttentionManager(FullAttentionManager):
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return
+        req = self.requests.get(request_id)
+        if req is not None and req.is_finished():
+            # vLLM's _connector_finished (offload configures a KV connector) asks
+            # for a request it is finishing: not a compaction point. A plan made
+            # now would compact blocks that are being freed, or, were their free
+            # delayed, reach the workers with a request they drop that step.
+            return
         logical = processed_computed_tokens
         ev = self.evicted.get(request_id, 0)
         physical = logical - ev
@@ -155,10 +162,22 @@ class EvictableAttentionManager(FullAttentionManager):
         # taken out of the prefix cache and compacted in place, so the first
         # compaction needs no extra blocks even when the pool is full.
         shared = [i for i in range(keep_blocks) if src[i].ref_cnt > 1]
+        # Private copies come from the blocks free NOW, before the tail is freed.
+        # The worker moves tokens in place (the Triton kernel, triton_kernels/
+        # compaction.py, reads ahead of where it writes): a destination block must
+        # be its own source block or one no source uses. A freed tail block still
+        # holds kept tokens not yet moved (the recent window at least), and vLLM's
+        # BlockPool hands freed hash-less blocks out first (LIFO), so taking the
+        # copies after the free returned exactly those. While the request holds
+        # its tail no source block is in the free queue, so get_new_blocks cannot
+        # return one. The price: the copies must fit in what is free without the
+        # tail; if they do not, the request compacts at a later step (as before
+        # when there was no room), once a block is free or the sharer let go.
+        if len(shared) > self.block_pool.get_num_free_blocks():
+            return  # no room for private copies yet: retry next step
+        fresh = self.block_pool.get_new_blocks(len(shared)) if shared else []
         tail = blocks[keep_blocks:]
         freeable = sum(b.ref_cnt == 1 for b in tail)
-        if len(shared) > self.block_pool.get_num_free_blocks() + freeable:
-            return  # no room for private copies yet: retry next step
         # Free the tail (newest first, like vLLM's free()), then swap shared blocks.
         del blocks[keep_blocks:]
         self.block_pool.free_blocks(reversed(tail))
@@ -166,7 +185,6 @@ class EvictableAttentionManager(FullAttentionManager):
             if blk.ref_cnt == 1 and blk.block_hash is not None:
                 self.block_pool._maybe_evict_cached_block(blk)
         if shared:
-            fresh = self.block_pool.get_new_blocks(len(shared))
             for i, blk in zip(shared, fresh):
                 self.block_pool.free_blocks([blocks[i]])
                 blocks[i] = blk

@@ -104,6 +104,7 @@ class WorkerEviction:
         self.num_windowless = 0  # snapkv/andpro compactions that found no window
         self._stack_cache: list[LayerStack] | None = None
         self.unscored: set[str] = set()  # requests that never compact: no scoring
+        self.arriving: set[str] = set()  # during begin_step: this step's new requests
         self._step_open = False  # a begin_step not yet matched by place_queries
         self.compaction_seconds = 0.0
         self._snapshot: Snapshot | None = None
@@ -154,8 +155,18 @@ class WorkerEviction:
         self.decode_log.flush([p.req_id for p in step.plans], self.layers, self._block_ids)
         if step.plans:
             start = time.perf_counter()  # CPU: the work; CUDA: its launch (async)
-            for plan in step.plans:
-                self._compact(plan)
+            self.arriving = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+            try:
+                for plan in step.plans:
+                    if (plan.req_id in scheduler_output.finished_req_ids
+                            and plan.req_id not in self.arriving):
+                        # It ends this step (the runner drops it below): its blocks
+                        # are no longer this request's to write. The scheduler makes
+                        # no such plan (spec.py); a KV connector that delays frees could.
+                        continue
+                    self._compact(plan)
+            finally:
+                self.arriving = set()
             self.compaction_seconds += time.perf_counter() - start
             self._write_metrics()
         self.evicted = step.evicted
@@ -226,10 +237,25 @@ class WorkerEviction:
         return self._stack_cache
 
     def _compact(self, plan: CompactionPlan) -> None:
+        """Run one plan. A request new to this worker this step (in `arriving`,
+        e.g. its KV came in through a KV connector before it was first
+        scheduled) has its block row arrive with this step's output, already the
+        plan's result: only the KV moves.
+
+        The scheduler has already freed the plan's tail and counts the request
+        as compacted: a plan this worker cannot run (a request it does not hold,
+        no layer caches) is an inconsistency, and it fails loudly rather than
+        run on with a row that still names freed blocks."""
         runner = self.runner
-        req_state = runner.requests.get(plan.req_id) if runner else None
-        if req_state is None or not self.layers:
-            return
+        new = plan.req_id in self.arriving
+        req_state = None if new or runner is None else runner.requests.get(plan.req_id)
+        if (req_state is None and not new) or not self.layers:
+            why = ("this worker holds no state for it" if req_state is None and not new
+                   else "no layer cache is registered on this worker")
+            raise RuntimeError(
+                f"kv eviction: compaction plan for request {plan.req_id!r} cannot run: {why}. "
+                "The scheduler already freed its blocks past the plan's destination, so "
+                "the worker and the scheduler would disagree about the request's blocks.")
         bs = self.block_size
         src_blocks = torch.tensor(plan.src_block_ids, dtype=torch.int64)
         dst_blocks = torch.tensor(plan.dst_block_ids, dtype=torch.int64)
@@ -284,6 +310,8 @@ class WorkerEviction:
         self.query_window.compacted(plan.req_id, keep_recent)
         if self.record_kept:
             self.kept[plan.req_id] = KeptRecord(torch.cat(kept_positions), plan.logical_len)
+        if req_state is None:  # new: the row comes with this step's output
+            return
         # The request's row is now exactly dst; this step's new blocks follow.
         req_state.block_ids[plan.group_id][:] = list(plan.dst_block_ids)
         batch = runner.input_batch
