@@ -11,6 +11,9 @@
 
 The paged kernels read the FlashAttention cache (`NHDLayout`) only; the window
 and partial-attention kernels take dense tensors.
+
+`upload` is how the per-step paths move small host tensors to the GPU without
+a host-device sync (tests/test_cuda_syncs.py counts those).
 """
 from __future__ import annotations
 
@@ -54,3 +57,17 @@ def triton_module(name: str):
     """A launcher module of `vllm_kvevict.triton_kernels`, imported on first use
     (importing Triton costs time, and nothing on the CPU path needs it)."""
     return importlib.import_module(f"vllm_kvevict.triton_kernels.{name}")
+
+
+def upload(x: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on `device`, without waiting for the GPU.
+
+    A blocking ``x.to(cuda)`` is a copy and then a stream synchronisation (the
+    host waits for every kernel queued before it). Here the data is staged in
+    pinned memory and copied asynchronously, in stream order; PyTorch's caching
+    host allocator keeps the pinned buffer until the copy has run. A tensor
+    already on `device` is returned as is."""
+    device = torch.device(device)
+    if device.type == "cuda" and x.device.type == "cpu" and not x.is_pinned():
+        x = x.pin_memory()
+    return x.to(device, non_blocking=True)

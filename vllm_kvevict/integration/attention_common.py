@@ -9,11 +9,19 @@
                    for snapkv/andpro, their queries kept for the next compaction)
   fused_decode     H2O decode steps on the Triton path: attention and scores
                    in one pass over K and V, instead of the stock kernel + score_step
+  host_lens        the step's lengths as vLLM keeps them on the host
+
+Host-device synchronisations (tests/test_cuda_syncs.py counts them): none of
+these reads a GPU value on the host. What Python control flow needs comes from
+vLLM's host copies (``query_start_loc_cpu``, ``seq_lens_cpu_upper_bound``, exact
+without async scheduling, which eviction turns off) and the worker state's own
+per-request counts; small host tensors go up with `kernels.upload`.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 from vllm.config import get_current_vllm_config
@@ -22,10 +30,23 @@ from vllm.v1.attention.backend import AttentionType
 from vllm_kvevict.config import EvictionConfig
 from vllm_kvevict.integration.scores import accumulate_scores
 from vllm_kvevict.integration.worker import worker_state
-from vllm_kvevict.kernels import triton_module, use_triton
+from vllm_kvevict.kernels import triton_module, upload, use_triton
 
 PLACEMENT_ATTR = "kvevict_decode_placement"  # set on a step's attention metadata
 SCORED_ATTR = "kvevict_scored_rows"  # (num_reqs,) bool, or None for all rows
+HOST_ATTR = "kvevict_host_lens"  # HostLens of the step (CUDA builder)
+
+
+class HostLens(NamedTuple):
+    """A step's lengths on the host, as the metadata's device tensors hold them."""
+    query_start_loc: torch.Tensor  # (num_reqs + 1,) int32, vLLM's query_start_loc_cpu
+    seq_lens: torch.Tensor | None  # (num_reqs,) seq_lens (physical in a physical
+    # view), or None when vLLM gave no host copy (then readers read the device)
+
+
+def host_lens(cm) -> HostLens:
+    """The host copies CommonAttentionMetadata carries; reads nothing from the GPU."""
+    return HostLens(cm.query_start_loc_cpu, cm.seq_lens_cpu_upper_bound)
 
 
 def eviction_config(vllm_config=None) -> EvictionConfig:
@@ -34,26 +55,40 @@ def eviction_config(vllm_config=None) -> EvictionConfig:
 
 
 def physical_view(cm, evicted: torch.Tensor, block_size: int):
-    """CommonAttentionMetadata with physical seq_lens and slot_mapping.
+    """CommonAttentionMetadata with physical seq_lens and slot_mapping (and
+    their host copy seq_lens_cpu_upper_bound, and max_seq_len).
 
-    evicted: (num_reqs,) int32, logical - physical per batch row.
+    evicted: (num_reqs,) int32 host tensor, logical - physical per batch row.
     New tokens of row i occupy physical positions [S_i - q_i, S_i).
+    No sync: the device tensors are computed on the device (`evicted` uploaded
+    asynchronously, repeat_interleave told its size); max_seq_len comes from
+    the host copy of the lengths, read from the device only if vLLM gave none.
     """
     num_reqs, n = cm.num_reqs, cm.num_actual_tokens
+    if int(cm.query_start_loc_cpu[num_reqs]) != n:  # host values: free
+        raise ValueError(f"physical_view: {n} tokens but query_start_loc ends at "
+                         f"{int(cm.query_start_loc_cpu[num_reqs])} (padded metadata?)")
     dev = cm.seq_lens.device
-    seq = cm.seq_lens[:num_reqs] - evicted.to(dev)
+    seq = cm.seq_lens[:num_reqs] - upload(evicted, dev)
     qsl = cm.query_start_loc[: num_reqs + 1].long()
     q_lens = qsl[1:] - qsl[:-1]
-    row = torch.repeat_interleave(torch.arange(num_reqs, device=dev), q_lens)
+    row = torch.repeat_interleave(torch.arange(num_reqs, device=dev), q_lens, output_size=n)
     pos = (seq.long() - q_lens)[row] + torch.arange(n, device=dev) - qsl[:-1][row]
     slots = cm.block_table_tensor[row, pos // block_size].long() * block_size + pos % block_size
     slot_mapping = cm.slot_mapping.clone()
     slot_mapping[:n] = slots
     seq_lens = cm.seq_lens.clone()
     seq_lens[:num_reqs] = seq
+    host = cm.seq_lens_cpu_upper_bound
+    if host is not None:
+        host = host.clone()
+        host[:num_reqs] -= evicted.to(host.dtype)
+        max_seq_len = int(host[:num_reqs].max())
+    else:  # no host copy (not from vLLM's runner): one read of the device
+        max_seq_len = int(seq.max())
     # _num_computed_tokens_cache: a value derived from logical lengths must not survive.
-    return replace(cm, seq_lens=seq_lens, slot_mapping=slot_mapping,
-                   max_seq_len=int(seq.max()), _num_computed_tokens_cache=None)
+    return replace(cm, seq_lens=seq_lens, slot_mapping=slot_mapping, max_seq_len=max_seq_len,
+                   seq_lens_cpu_upper_bound=host, _num_computed_tokens_cache=None)
 
 
 def physical_metadata(state, cm, block_size: int):
@@ -106,11 +141,13 @@ def score_step(impl, layer, query, kv_cache, attn_metadata, make_layout) -> None
     if placement is not None:
         state.decode_log.record(layer.layer_name, query[:n], placement, impl.scale)
     key_cache, _ = lc.layout.split(kv_cache)
+    host = getattr(attn_metadata, HOST_ATTR, None) or HostLens(None, None)
     accumulate_scores(lc.scores, lc.layout, key_cache, query[:n],
                       attn_metadata.query_start_loc, attn_metadata.seq_lens,
                       attn_metadata.block_table, attn_metadata.slot_mapping, impl.scale,
                       decode=placement is None,
-                      rows=getattr(attn_metadata, SCORED_ATTR, None))
+                      rows=getattr(attn_metadata, SCORED_ATTR, None),
+                      query_start_loc_cpu=host.query_start_loc, seq_lens_cpu=host.seq_lens)
 
 
 def fused_decode(impl, layer, query, kv_cache, attn_metadata, output, make_layout) -> bool:
@@ -130,7 +167,7 @@ def fused_decode(impl, layer, query, kv_cache, attn_metadata, output, make_layou
     key_cache, value_cache = lc.layout.split(kv_cache)
     lc.scores[:, attn_metadata.slot_mapping[:n].long()] = 0.0  # new tokens start at zero
     rows = getattr(attn_metadata, SCORED_ATTR, None)
-    weight = None if rows is None else rows[:n].to(query.device, torch.float32)
+    weight = None if rows is None else upload(rows[:n].to(torch.float32), query.device)
     triton_module("paged_attention").paged_attention_scores(
         query[:n], key_cache, value_cache, attn_metadata.block_table,
         torch.arange(n, device=query.device), attn_metadata.seq_lens[:n], impl.scale,

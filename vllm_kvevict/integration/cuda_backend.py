@@ -17,6 +17,10 @@ wrapper in ``backend.py``, and keeps the stock FlashAttention kernels:
      pass over K and V; other steps use the stock kernel, then the Triton score
      kernel for their decode rows.
 
+No host-device sync in a step (builder and forward): Python control flow reads
+vLLM's host copies of the lengths, passed to the forward as ``HOST_ATTR``
+(tests/test_cuda_syncs.py pins the count).
+
 Two more things only matter on a GPU: the builder reports no CUDA-graph support
 while eviction is on (the physical view and the score pass are eager Python,
 and full graphs would replay the logical metadata buffers), so vLLM falls back
@@ -46,16 +50,20 @@ except ImportError as e:  # keep the reason: the caller decides whether it matte
                       f"backend module, which does not import here: {e}") from e
 
 from vllm_kvevict.integration.attention_common import (
+    HOST_ATTR,
     PLACEMENT_ATTR,
     SCORED_ATTR,
     eviction_config,
     evictable_spec,
     fused_decode,
+    host_lens,
     physical_metadata,
     score_step,
     write_kv,
 )
+from vllm_kvevict.integration.decode_log import StepPlacement
 from vllm_kvevict.integration.worker import init_worker_state, worker_state
+from vllm_kvevict.kernels import upload
 from vllm_kvevict.nhd_layout import NHDLayout
 
 
@@ -79,13 +87,25 @@ class EvictingFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
             return super().build(common_prefix_len, logical, fast_build)
         cm = physical_metadata(self.state, logical, self.block_size)
         metadata = super().build(common_prefix_len, cm, fast_build)
-        setattr(metadata, SCORED_ATTR, self.state.scored_rows(cm.num_reqs))
+        scored = self.state.scored_rows(cm.num_reqs)
+        host = host_lens(cm)  # the forward's Python reads these, not the device tensors
+        setattr(metadata, SCORED_ATTR, scored)
+        setattr(metadata, HOST_ATTR, host)
         if self.state.policy.window:  # snapkv/andpro keep their window queries
             placement = self.state.place_queries(
-                cm.num_reqs, cm.query_start_loc_cpu, cm.seq_lens[: cm.num_reqs].cpu(),
-                logical.seq_lens[: cm.num_reqs].cpu(), self.state.scored_rows(cm.num_reqs))
+                cm.num_reqs, host.query_start_loc, _on_host(cm.seq_lens, host.seq_lens),
+                _on_host(logical.seq_lens, host_lens(logical).seq_lens), scored)
+            if placement is not None:  # uploaded once for all layers
+                dev = cm.query_start_loc.device
+                placement = StepPlacement(upload(placement.tokens, dev),
+                                          upload(placement.cells, dev))
             setattr(metadata, PLACEMENT_ATTR, placement)
         return metadata
+
+
+def _on_host(device_lens: torch.Tensor, host: torch.Tensor | None) -> torch.Tensor:
+    """vLLM's host copy of some lengths, or (none given) a read of the device's."""
+    return device_lens.cpu() if host is None else host
 
 
 class EvictingFlashAttentionImpl(FlashAttentionImpl):

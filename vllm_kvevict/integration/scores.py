@@ -12,13 +12,17 @@ gather of each request's keys. Prefill chunks call it per request; decode
 queries call it either at once (`accumulate_scores`) or, on CPU, in batches of
 up to 16 steps through `DecodeQueryLog` (the gather dominates the cost of one
 decode query, so scoring several against one gather is far cheaper).
+
+On CUDA neither reads a GPU value on the host: the lengths that drive the
+Python (which rows, how many keys, masks) are host tensors, and what the GPU
+needs of them goes up with `kernels.upload` (tests/test_cuda_syncs.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm_kvevict.kernels import triton_module, use_triton
+from vllm_kvevict.kernels import triton_module, upload, use_triton
 from vllm_kvevict.kv_layout import token_slots
 
 # Bound the (R, H, Q*G, M) float32 logits of one tile to about 64 MB.
@@ -31,15 +35,17 @@ def score_queries(scores: torch.Tensor, layout, key_cache: torch.Tensor,
     """Add each query's attention over its visible keys into their slots.
 
     queries:    (R, Q, H_q, D) any float dtype
-    visible:    (R, Q) int64; query (r, t) sees physical positions
-                [0, visible[r, t]); 0 marks padding, which adds nothing
+    visible:    (R, Q) int64 host tensor (a device one is read back once);
+                query (r, t) sees physical positions [0, visible[r, t]);
+                0 marks padding, which adds nothing
     block_rows: (R, nblk) block ids covering max(visible[r]) tokens of row r
     """
     bs, h = layout.block_size, layout.num_kv_heads
     r, nq, hq, d = queries.shape
     g = hq // h
     dev = scores.device
-    visible = visible.to(dev, torch.int64)
+    visible = visible.long().cpu()  # the masks below are decided on the host
+    block_rows = upload(block_rows, dev)
     kt = layout.gather_keys_t(key_cache, block_rows, block_rows.shape[1])  # (R, H, D, M)
     m = kt.shape[-1]
     pos = torch.arange(m, device=dev)
@@ -48,8 +54,9 @@ def score_queries(scores: torch.Tensor, layout, key_cache: torch.Tensor,
     # Keys before every query's horizon need no mask: only mask from there on
     # (decode queries of similar-length requests differ in the last few keys).
     m0 = int(seen.min())
-    hidden = pos[m0:] >= seen[..., None]  # (R, Q, M - m0)
-    weight = None if bool((visible > 0).all()) else (visible > 0).to(torch.float32)
+    hidden = pos[m0:] >= upload(seen, dev)[..., None]  # (R, Q, M - m0)
+    weight = (None if bool((visible > 0).all())
+              else upload((visible > 0).to(torch.float32), dev))
     acc = torch.zeros(r, h, m, device=dev)
     tile = max(1, _TILE_ELEMENTS // max(1, r * hq * m))
     for t0 in range(0, nq, tile):
@@ -62,41 +69,49 @@ def score_queries(scores: torch.Tensor, layout, key_cache: torch.Tensor,
         if weight is not None:
             probs *= weight[:, None, t0:t0 + t, None]
         acc += probs.sum(dim=2)
-    reach = pos[None, :] < visible.max(dim=1).values[:, None]  # (R, M)
-    slots = token_slots(block_rows.to(dev), m, bs)
-    scores.index_add_(1, slots[reach], acc.transpose(0, 1)[:, reach])
+    # The (row, key) pairs some query reaches, listed on the host: indexing with
+    # a boolean mask on the GPU would read its count back.
+    reach_r, reach_m = (torch.arange(m)[None, :] < visible.max(dim=1).values[:, None]).nonzero(
+        as_tuple=True)
+    reach_r, reach_m = upload(reach_r, dev), upload(reach_m, dev)
+    slots = token_slots(block_rows, m, bs)
+    scores.index_add_(1, slots[reach_r, reach_m], acc.transpose(0, 1)[:, reach_r, reach_m])
 
 
 def accumulate_scores(scores: torch.Tensor, layout, key_cache: torch.Tensor,
                       query: torch.Tensor, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, block_table: torch.Tensor,
                       slot_mapping: torch.Tensor, scale: float,
-                      decode: bool = True, rows: torch.Tensor | None = None) -> None:
+                      decode: bool = True, rows: torch.Tensor | None = None,
+                      query_start_loc_cpu: torch.Tensor | None = None,
+                      seq_lens_cpu: torch.Tensor | None = None) -> None:
     """Score one step's queries from attention metadata (physical seq_lens).
 
     query: (num_tokens, H_q, D) this step's new tokens. decode=False leaves the
-    single-query rows to a `DecodeQueryLog`; rows: (num_reqs,) bool, score
-    only these requests (None: all).
+    single-query rows to a `DecodeQueryLog`; rows: (num_reqs,) bool host
+    tensor, score only these requests (None: all). query_start_loc_cpu /
+    seq_lens_cpu: host copies of the two (vLLM's, from the CUDA builder); each
+    one missing is read from its device tensor (a sync on a GPU).
     """
     num_tokens = query.shape[0]
+    dev = query.device
     # New tokens start with zero importance, whatever the slot held before.
     scores[:, slot_mapping[:num_tokens].long()] = 0.0
-    qsl = query_start_loc.long().cpu()
+    qsl = (query_start_loc if query_start_loc_cpu is None else query_start_loc_cpu).long().cpu()
     q_lens = qsl[1:] - qsl[:-1]
-    seq = seq_lens[: len(q_lens)].long().cpu()
+    seq = (seq_lens if seq_lens_cpu is None else seq_lens_cpu)[: len(q_lens)].long().cpu()
     wanted = torch.ones_like(q_lens, dtype=torch.bool) if rows is None else rows.cpu()
     if decode:
-        rows = torch.nonzero((q_lens == 1) & wanted).flatten()
+        rows = torch.nonzero((q_lens == 1) & wanted).flatten()  # host
         if rows.numel() and use_triton(query, layout):  # one pass, no gather
-            dev = query.device
             triton_module("paged_attention").paged_attention_scores(
-                query[qsl[rows].to(dev)], key_cache, key_cache, block_table, rows.to(dev),
-                seq[rows].to(dev), scale, scores=scores, write_out=False,
-                max_visible=int(seq[rows].max()))
+                query[upload(qsl[rows], dev)], key_cache, key_cache, block_table,
+                upload(rows, dev), upload(seq[rows], dev), scale, scores=scores,
+                write_out=False, max_visible=int(seq[rows].max()))
         elif rows.numel():
             nblk = -(-int(seq[rows].max()) // layout.block_size)
-            score_queries(scores, layout, key_cache, query[qsl[rows].to(query.device)][:, None],
-                          seq[rows, None], block_table[rows.to(block_table.device), :nblk],
+            score_queries(scores, layout, key_cache, query[upload(qsl[rows], dev)][:, None],
+                          seq[rows, None], block_table[upload(rows, block_table.device), :nblk],
                           scale)
     for i in torch.nonzero((q_lens > 1) & wanted).flatten().tolist():
         n, s = int(q_lens[i]), int(seq[i])
