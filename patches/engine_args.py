@@ -15,6 +15,20 @@ HOW: add an argument group; fold the parsed values into
      check that InfiniGen's skewing file exists and fits the model, so a
      missing one stops startup naming `python -m vllm_kvevict.calibrate`
      instead of a worker calibrating mid-step.
+     With eviction or offload on, refuse what it does not support, naming the
+     vLLM flag and ours (issue 20 #7): speculative decoding, pipeline
+     parallel, async scheduling. vLLM 0.32 turns async scheduling on by
+     default where it can (VllmConfig: None -> True on CUDA; the CPU platform
+     turns it off whatever was asked), so an unset value is set to False here
+     and only an explicit --async-scheduling is refused: a plain
+     `vllm serve M --kv-eviction h2o` starts. The built config is checked again.
+     Cascade attention (which read the logical seq_lens of a shared prefix):
+     vLLM 0.32 removed it. `disable_cascade_attn` is a deprecated no-op
+     (default True; setting it only warns), the scheduler's
+     num_common_prefix_blocks is always empty, and FlashAttention's builder,
+     which our CUDA backend wraps (integration/select.py -> CUSTOM ->
+     cuda_backend.py), has no cascade path. So nothing to set or refuse;
+     tests/test_unsupported_settings.py fails if an upgrade brings it back.
 UPSTREAM: a plugin API to register engine CLI arguments.
 """
 
@@ -66,6 +80,46 @@ _HELP = {
 }
 
 
+def _ours(cfg: EvictionConfig) -> str:
+    """Our flags that turned eviction (and offload) on, as the user would write them."""
+    return f"--kv-eviction {cfg.policy}" + (" --kv-swap-space" if cfg.swap_space else "")
+
+
+def refuse_unsupported(cfg: EvictionConfig, *, speculative: str | None, pipeline: int,
+                       async_scheduling: bool | None) -> None:
+    """Stop startup when eviction/offload is on beside a setting it does not
+    support; the message names the vLLM flag and ours."""
+    if not cfg.enabled:
+        return
+    ours = _ours(cfg)
+    if speculative:
+        raise EvictionConfigError(
+            f"{speculative} is not supported with {ours}: draft tokens' attention would "
+            f"enter the eviction scores, and offload's host decode handles one new token "
+            f"per request per step; drop {speculative} or the eviction flags")
+    if pipeline > 1:
+        raise EvictionConfigError(
+            f"--pipeline-parallel-size {pipeline} is not supported with {ours}: "
+            f"compaction and scoring are built and tested for a single pipeline stage; "
+            f"use --tensor-parallel-size to split the model instead")
+    if async_scheduling:
+        raise EvictionConfigError(
+            f"--async-scheduling is not supported with {ours}: it schedules step t+1, "
+            f"and plans its compactions, while step t still runs; drop --async-scheduling "
+            f"(with eviction it is off by default)")
+
+
+def _speculative_flag(engine_args) -> str | None:
+    """The flag that asked for speculative decoding, if any."""
+    if engine_args.speculative_config:
+        return "--speculative-config"
+    for flag, key in (("--spec-method", "spec_method"), ("--spec-model", "spec_model"),
+                      ("--spec-tokens", "spec_tokens")):
+        if getattr(engine_args, key, None) is not None:
+            return flag
+    return None
+
+
 def apply() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -97,6 +151,12 @@ def apply() -> None:
 
         cfg = EvictionConfig.from_dict(self.additional_config or {})
         ModuleLimits.from_dict(self.additional_config)  # a bad value stops startup
+        refuse_unsupported(cfg, speculative=_speculative_flag(self),
+                           pipeline=self.pipeline_parallel_size,
+                           async_scheduling=self.async_scheduling)
+        if cfg.enabled:
+            # None lets vLLM turn it on (CUDA); the user did not ask for it.
+            self.async_scheduling = False
         if cfg.offload:
             from vllm.platforms import current_platform
 
@@ -126,6 +186,11 @@ def apply() -> None:
         vllm_config = create_engine_config.__kvevict_original__(self, *args, **kwargs)
         if cfg.enabled:
             cfg.check_block_size(vllm_config.cache_config.block_size)
+            # Whatever set them (a platform hook, a model's own config): not with eviction.
+            refuse_unsupported(
+                cfg, speculative="--speculative-config" if vllm_config.speculative_config
+                else None, pipeline=vllm_config.parallel_config.pipeline_parallel_size,
+                async_scheduling=vllm_config.scheduler_config.async_scheduling)
         if cfg.offload:  # before any worker: they load the file, never compute it
             from vllm_kvevict.integration.offload_attention import check_skewing
 

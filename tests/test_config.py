@@ -78,3 +78,77 @@ def test_offload_settings():
             EvictionConfig.from_dict(cfg.to_dict()).to_dict())
     # Without offload the dict (and the spec hash) has the keys it always had.
     assert "kv_swap_space" not in EvictionConfig.from_dict({"kv_eviction": "h2o"}).to_dict()
+
+
+# --- per-request kv_budget / kv_recent against the server's (issue 20 #6) ---
+# A request may keep less KV than the server would, never more, whatever the
+# units: a fraction at most the server's fraction; a token count at most the
+# server's token count. Across units only what is sound at every length passes:
+# against a fractional server, a token count no larger than what the server keeps
+# at that length (one block, or nearly everything when the fraction is ~1);
+# against a token server, no fraction (a long request would pass the count).
+BLOCK = 32
+
+
+def _server(budget, **extra):
+    return EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": budget, **extra})
+
+
+@pytest.mark.parametrize("server, asked, budget", [
+    (0.2, {"kv_budget": 0.1}, 0.1),
+    (0.2, {"kv_budget": 0.2}, 0.2),
+    (0.2, {"kv_budget": "20%"}, 0.2),
+    (0.2, {"kv_budget": "0.05"}, 0.05),
+    (0.2, {"kv_budget": BLOCK}, BLOCK),  # one block: the least the server ever keeps
+    (0.2, {"kv_recent": 0.1}, 0.2),
+    (0.2, {"kv_budget": 0.1, "kv_recent": 0.05}, 0.1),
+    (1.0, {"kv_budget": 4096}, 4096),  # the server keeps every token: any count is less
+    (0.999, {"kv_budget": 999}, 999),  # ceil(0.999 * L) >= min(L, 999) at every length L
+    (256, {"kv_budget": 64}, 64),
+    (256, {"kv_budget": 256}, 256),
+    (256, {"kv_budget": 64, "kv_recent": 16}, 64),
+    (256, {"kv_recent": 200}, 256),  # the window lives inside the budget: no bound of its own
+])
+def test_request_may_ask_for_less_than_the_server(server, asked, budget):
+    cfg = _server(server).for_request(asked, BLOCK)
+    assert cfg.budget == pytest.approx(budget) and type(cfg.budget) is type(budget)
+    # Never more resident tokens than the server at any length.
+    srv = _server(server)
+    for length in (1, 31, 32, 33, 100, 320, 999, 1000, 4096, 100_000):
+        mine = min(length, cfg.budget_tokens(length, BLOCK))
+        assert mine <= min(length, srv.budget_tokens(length, BLOCK)), length
+
+
+@pytest.mark.parametrize("server, asked", [
+    (0.2, 0.99),
+    (0.2, 1.0),
+    (0.2, 0.21),
+    (0.2, "50%"),
+    (0.2, 10**9),
+    (0.2, 64),
+    (0.2, 33),
+    (0.999, 1001),
+    (256, 257),
+    (256, 10**9),
+    (256, 0.1),
+    (256, 1.0),
+])
+def test_request_asking_more_than_the_server_is_refused_naming_both(server, asked):
+    with pytest.raises(EvictionConfigError) as err:
+        _server(server).for_request({"kv_budget": asked}, BLOCK)
+    msg = str(err.value)
+    assert msg.startswith("request field vllm_xargs"), msg
+    assert f"kv_budget {asked!r}" in msg and f"server's --kv-budget {server!r}" in msg, msg
+
+
+@pytest.mark.parametrize("server, asked, match", [
+    (0.2, {"kv_recent": 0.5}, "kv_recent.*must not exceed"),
+    (0.2, {"kv_recent": 16}, "kv_recent must use the same unit"),
+    (0.2, {"kv_budget": 0.1, "kv_recent": 0.2}, "kv_recent.*must not exceed"),
+    (256, {"kv_recent": 0.1}, "kv_recent must use the same unit"),
+    (256, {"kv_recent": 300}, "kv_recent.*must not exceed"),
+    (256, {"kv_budget": 64, "kv_recent": 128}, "kv_recent.*must not exceed"),
+])
+def test_request_recent_window_stays_inside_its_budget(server, asked, match):
+    with pytest.raises(EvictionConfigError, match=match):
+        _server(server).for_request(asked, BLOCK)

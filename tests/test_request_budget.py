@@ -88,3 +88,34 @@ def test_bad_request_budget_is_refused_and_changes_nothing(llm, at_64, extra, ma
     assert after == at_64  # the engine serves on, same tokens
     assert probe.used_blocks() == 0  # nothing left behind in vLLM's pool
 
+
+
+def test_fraction_server_refuses_more_at_admission(model_path):
+    """--kv-budget 0.2 (issue 20 #6): vLLM's admission step (InputProcessor
+    .process_inputs -> _validate_params, patched by patches/request_validation.py)
+    refuses a request asking 0.99 or 10**9 with VLLMValidationError naming the
+    field, the value and the server's budget; 0.1 passes. No engine: the
+    processor is built from the same engine config an engine would get."""
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.exceptions import VLLMValidationError
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    load_general_plugins()
+    vllm_config = EngineArgs(model_path, block_size=32, max_model_len=2048, enforce_eager=True,
+                             additional_config={"kv_eviction": "h2o", "kv_budget": 0.2}
+                             ).create_engine_config()
+    processor = InputProcessor(vllm_config)
+
+    def admit(i, extra):
+        return processor.process_inputs(f"r{i}", {"prompt_token_ids": [1, 2, 3]},
+                                        SamplingParams(max_tokens=4, extra_args=extra),
+                                        supported_tasks=("generate",))
+
+    for i, asked in enumerate((0.99, 10**9)):
+        with pytest.raises(VLLMValidationError,
+                           match=rf"kv_budget {asked!r}\b.*server's --kv-budget 0\.2") as err:
+            admit(i, {"kv_budget": asked})
+        assert err.value.parameter == "vllm_xargs"
+    assert admit(2, {"kv_budget": 0.1}).sampling_params.extra_args == {"kv_budget": 0.1}

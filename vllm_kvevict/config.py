@@ -205,9 +205,26 @@ class EvictionConfig:
     def for_request(self, extra_args: dict[str, Any] | None, block_size: int) -> "EvictionConfig":
         """This config with a request's own `kv_budget` / `kv_recent` applied.
 
-        A request may ask for less cache than the server's token budget, never
+        A request may ask for less cache than the server would keep, never
         more: the pool was sized (`max_memory_usage_bytes`) for the server's
-        budget. Raises EvictionConfigError naming the field; nothing changes.
+        budget, and a client must not get around an operator's ratio. So a
+        request's `kv_budget`, against the server's --kv-budget, is:
+          server tokens B,     request tokens b:     b <= B.
+          server fraction F,   request fraction f:   f <= F.
+          server tokens B,     request fraction f:   refused: f of a long
+                               enough request is more than B (the bound would
+                               hang on max_model_len, which the scheduler side
+                               does not see; both sides must agree).
+          server fraction F,   request tokens b:     only if b is never more
+                               than the server keeps at any length L, i.e.
+                               min(L, b) <= min(L, budget_tokens(L)) for all L,
+                               which holds iff budget_tokens(b) >= b (one
+                               block, or F close enough to 1); else refused.
+        `kv_recent` has no bound against the server's: the window lives inside
+        the request's own budget (it decides which tokens stay, not how many),
+        so it must use that budget's unit and not exceed it (from_dict).
+        Raises EvictionConfigError naming the field, the value asked and the
+        server's --kv-budget; nothing changes.
         """
         asked = {k: v for k, v in (extra_args or {}).items() if k.startswith("kv_")}
         if not asked:
@@ -235,12 +252,42 @@ class EvictionConfig:
         if isinstance(cfg.budget, int) and cfg.budget < block_size:
             raise EvictionConfigError(
                 f"{where}: kv_budget ({cfg.budget}) is below one KV block ({block_size} tokens)")
-        if isinstance(self.budget, int) and not (
-                isinstance(cfg.budget, int) and cfg.budget <= self.budget):
-            raise EvictionConfigError(
-                f"{where}: kv_budget must be a token count between {block_size} and the "
-                f"server's --kv-budget ({self.budget}), got {asked.get('kv_budget')!r}")
+        if "kv_budget" in asked:
+            self._check_request_budget(cfg.budget, asked["kv_budget"], where, block_size)
         return cfg
+
+    def _check_request_budget(self, got: int | float, raw: Any, where: str,
+                              block_size: int) -> None:
+        """Refuse a request budget `got` (parsed from `raw`) that could keep more
+        tokens than the server's budget at some length (rules in for_request)."""
+        server, asked = self.budget, f"kv_budget {raw!r}"
+        if isinstance(server, int):
+            tokens = f"ask for a token count between {block_size} and {server}"
+            if not isinstance(got, int):
+                raise EvictionConfigError(
+                    f"{where}: {asked} is a fraction of the request's length, but the "
+                    f"server's --kv-budget {server!r} is a token count: a long enough "
+                    f"request would keep more than {server} tokens; {tokens}")
+            if got > server:
+                raise EvictionConfigError(
+                    f"{where}: {asked} asks for more KV than the server's --kv-budget "
+                    f"{server!r}; {tokens}")
+            return
+        fraction = f"ask for a fraction at most {server!r}"
+        if not isinstance(got, int):
+            if got > server:
+                raise EvictionConfigError(
+                    f"{where}: {asked} asks for more KV than the server's --kv-budget "
+                    f"{server!r} (a fraction of each request's length); {fraction}")
+            return
+        # budget_tokens is nondecreasing in the length: the server keeps at least
+        # min(L, b) at every length L iff it keeps all b tokens at length b.
+        if self.budget_tokens(got, block_size) < got:
+            raise EvictionConfigError(
+                f"{where}: {asked} is a token count, but the server's --kv-budget "
+                f"{server!r} is a fraction of each request's length: {got} tokens is more "
+                f"than the server keeps of a request up to {math.floor((got - 1) / server)} "
+                f"tokens long; {fraction}")
 
     # --- per-request arithmetic (tokens), used by scheduler and worker alike ---
 

@@ -1,0 +1,181 @@
+"""Settings eviction does not support stop startup naming the flag (issue 20 #7).
+
+With eviction or offload on (--kv-eviction other than none, --kv-swap-space):
+  --speculative-config (or --spec-method/--spec-model/--spec-tokens)
+                              draft tokens' attention would enter H2O's scores,
+                              and offload's host decode handles 1-token rows only
+  --pipeline-parallel-size>1  compaction plans and score buffers are per whole model
+  --async-scheduling          step t+1's plans would be made while step t runs
+Async scheduling is off by default with eviction (vLLM turns it on by default
+on CUDA; on CPU its platform turns it off), so a plain
+`vllm serve M --kv-eviction h2o` starts. Cascade attention: removed from vLLM
+0.32 (disable_cascade_attn is a deprecated no-op), pinned below.
+
+Everything goes through the code `vllm serve` runs up to the engine start (its
+parser with the plugin's flags, validate_parsed_serve_args, AsyncEngineArgs
+.from_cli_args, create_engine_config with the plugin's hook), in this process,
+and `LLM(...)` for the offline door. No engine is built. Stock vLLM (no
+--kv-eviction) accepts every one of these settings at the same step, so the
+refusal is the plugin's.
+"""
+
+import contextlib
+import io
+import json
+
+import pytest
+
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+SERVE_DEFAULTS = ("--block-size", "32", "--enforce-eager")
+
+UNSUPPORTED = [
+    pytest.param(["--speculative-config", NGRAM], "--speculative-config", id="spec"),
+    pytest.param(["--spec-method", "ngram", "--spec-tokens", "2"], "--spec-method",
+                 id="spec-method"),
+    pytest.param(["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2", id="pp2"),
+    pytest.param(["--async-scheduling"], "--async-scheduling", id="async"),
+]
+EVICTION = [
+    pytest.param(["--kv-eviction", "h2o"], "--kv-eviction h2o", id="h2o"),
+    pytest.param(["--kv-eviction", "snapkv", "--kv-budget", "0.2"], "--kv-eviction snapkv",
+                 id="snapkv"),
+    pytest.param(["--kv-eviction", "infinigen"], "--kv-eviction infinigen", id="infinigen"),
+    pytest.param(["--kv-eviction", "streaming", "--kv-swap-space", "16MiB"],
+                 "--kv-eviction streaming --kv-swap-space", id="swap-space"),
+    pytest.param(["--additional-config", json.dumps({"kv_eviction": "h2o"})],
+                 "--kv-eviction h2o", id="additional-config"),
+]
+
+
+def serve_config(model: str, *argv: str):
+    """The engine config `vllm serve MODEL ARGV` would start with, or what it
+    says when it refuses (a string)."""
+    import vllm_kvevict
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    vllm_kvevict.register()  # what the entry point does in every vLLM process
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            args = parser.parse_args([model, *SERVE_DEFAULTS, *argv])
+        args.model = args.model_tag  # as ServeSubcommand.cmd does
+        validate_parsed_serve_args(args)
+        return AsyncEngineArgs.from_cli_args(args).create_engine_config(
+            usage_context=UsageContext.OPENAI_API_SERVER)
+    except SystemExit:  # argparse: message on stderr
+        return stderr.getvalue()
+    except Exception as e:  # noqa: BLE001  (the refusal under test, whatever its type)
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("eviction, ours", EVICTION)
+@pytest.mark.parametrize("setting, theirs", UNSUPPORTED)
+def test_unsupported_setting_stops_startup_naming_both_flags(model_path, eviction, ours,
+                                                             setting, theirs):
+    said = serve_config(model_path, *eviction, *setting)
+    assert isinstance(said, str), "started"
+    assert said.startswith("EvictionConfigError: ") and theirs in said and ours in said, said
+    assert "not supported with" in said, said
+
+
+@pytest.mark.parametrize("setting, theirs", UNSUPPORTED)
+def test_stock_vllm_accepts_each_setting(model_path, setting, theirs):
+    """The same settings without eviction pass the same steps: the refusal is ours."""
+    cfg = serve_config(model_path, *setting)
+    assert not isinstance(cfg, str), cfg
+    if "--speculative-config" in setting or "--spec-method" in setting:
+        assert cfg.speculative_config.method == "ngram"
+    if "--pipeline-parallel-size" in setting:
+        assert cfg.parallel_config.pipeline_parallel_size == 2
+
+
+@pytest.mark.parametrize("extra", [(), ("--no-async-scheduling",), ("--kv-budget", "0.2")])
+def test_eviction_with_defaults_starts_with_async_scheduling_off(model_path, extra):
+    """`vllm serve M --kv-eviction h2o`: vLLM's own default (async_scheduling None:
+    on where the platform allows it) is turned off by the plugin, not refused."""
+    cfg = serve_config(model_path, "--kv-eviction", "h2o", *extra)
+    assert not isinstance(cfg, str), cfg
+    assert cfg.scheduler_config.async_scheduling is False
+    assert cfg.speculative_config is None and cfg.parallel_config.pipeline_parallel_size == 1
+    assert cfg.additional_config["kv_eviction"] == "h2o"
+
+
+def test_async_scheduling_default_is_turned_off_before_vllm_decides(model_path):
+    """On CUDA vLLM 0.32 turns async scheduling on when it is left unset
+    (VllmConfig.__post_init__: async_scheduling None -> True); the CPU platform
+    turns it off afterwards, so this checks the engine arguments the hook hands
+    to vLLM: with eviction on, an unset value becomes False before the stock
+    config is built; without eviction it stays vLLM's to decide."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    seen = []
+    original = EngineArgs.create_engine_config.__kvevict_original__
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.async_scheduling)
+        return original(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EngineArgs.create_engine_config, "__kvevict_original__", spy)
+        for additional in ({"kv_eviction": "h2o"}, {}):
+            EngineArgs(model_path, block_size=32, enforce_eager=True,
+                       additional_config=additional).create_engine_config()
+    assert seen == [False, None]
+
+
+@pytest.mark.parametrize("kwargs, theirs", [
+    pytest.param({"speculative_config": json.loads(NGRAM)}, "--speculative-config", id="spec"),
+    pytest.param({"pipeline_parallel_size": 2}, "--pipeline-parallel-size 2", id="pp2"),
+    pytest.param({"async_scheduling": True}, "--async-scheduling", id="async"),
+])
+def test_offline_llm_is_refused_too(model_path, monkeypatch, kwargs, theirs):
+    """LLM(...) goes through the same EngineArgs.create_engine_config hook, and
+    stops before the engine is built (were it not refused, the engine's
+    constructor, stubbed here, would be reached: no worker ever starts)."""
+    from vllm import LLM
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from vllm_kvevict.config import EvictionConfigError
+
+    class Started(Exception):
+        pass
+
+    def no_engine(self, *args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(LLMEngine, "__init__", no_engine)
+    with pytest.raises(EvictionConfigError, match=f"{theirs} is not supported with "
+                                                  f"--kv-eviction h2o"):
+        LLM(model_path, enforce_eager=True, block_size=32, max_model_len=512,
+            kv_cache_memory_bytes=64 << 20, additional_config={"kv_eviction": "h2o"},
+            **kwargs)
+    with pytest.raises(Started):  # stock vLLM gets as far as building the engine
+        LLM(model_path, enforce_eager=True, block_size=32, max_model_len=512,
+            kv_cache_memory_bytes=64 << 20, **kwargs)
+
+
+def test_cascade_attention_is_gone_from_vllm():
+    """Cascade attention read the logical `seq_lens_cpu` of a shared prefix,
+    which compaction makes wrong. vLLM 0.32 removed it: disable_cascade_attn is a
+    deprecated no-op (default True), the scheduler never reports a common prefix,
+    and FlashAttention's metadata builder, which the plugin's CUDA backend wraps
+    (integration/cuda_backend.py), has no cascade path. If a vLLM upgrade brings
+    it back, this fails: then the engine-args hook must turn it off."""
+    import inspect
+
+    import vllm.v1.attention.backends.flash_attn as flash_attn
+    from vllm.config import ModelConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    assert "cascade" not in inspect.getsource(flash_attn).lower()
+    assert ModelConfig.__dataclass_fields__["disable_cascade_attn"].default is True
+    assert "cascade attention has been removed" in KVCacheManager.get_num_common_prefix_blocks \
+        .__doc__
+    assert SchedulerOutput.__dataclass_fields__["num_common_prefix_blocks"].default_factory() == []
