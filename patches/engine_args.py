@@ -56,6 +56,12 @@ _HELP = {
     "kv_sink": "Attention-sink tokens always kept by the streaming policy. Default: 4.",
     "kv_window": "Observation window of snapkv and andpro: how many of the latest "
                  "queries score the cache at each compaction. Default: 32.",
+    "kv_prefill_cap": "Resident tokens a request may hold while its prompt is prefilled "
+                      "in chunks. Default: auto: the prompt stays whole while the KV pool "
+                      "can hold its next chunk, and is compressed once, after its last "
+                      "chunk, so the policy sees the question at its end; when the pool "
+                      "is short it is compressed between chunks instead (counted in "
+                      "vllm_kvevict_prefill_fallbacks_total). 0: always between chunks.",
     "kv_swap_space": "Host memory pool for offloaded KV per worker (e.g. 8GiB, 512MiB). "
                      "With h2o/andpro/snapkv/streaming it turns offload on: evicted KV "
                      "goes to the pool instead of being dropped. Default: 4GiB under "

@@ -27,13 +27,15 @@ def apply() -> None:
     from vllm_kvevict.planner import never_compacts
 
     def schedule(self, *args, **kwargs):
-        output = schedule.__kvevict_original__(self, *args, **kwargs)
         managers = [m for m in self.kv_cache_manager.coordinator.single_type_managers
                     if isinstance(m, EvictableAttentionManager)]
+        for m in managers:  # read inside allocate_slots, during the stock schedule()
+            m.requests = self.requests  # per-request budgets (extra_args)
+            m.chunk_tokens = self.scheduler_config.max_num_batched_tokens
+        output = schedule.__kvevict_original__(self, *args, **kwargs)
         if managers:
             step = EvictionStep()
             for m in managers:
-                m.requests = self.requests  # per-request budgets (extra_args)
                 plans, released = m.take_plans()
                 step.plans.extend(plans)
                 step.released.extend(released)

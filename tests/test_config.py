@@ -152,3 +152,25 @@ def test_request_asking_more_than_the_server_is_refused_naming_both(server, aske
 def test_request_recent_window_stays_inside_its_budget(server, asked, match):
     with pytest.raises(EvictionConfigError, match=match):
         _server(server).for_request(asked, BLOCK)
+
+
+def test_prefill_cap_parses_and_a_request_may_only_lower_it():
+    """--kv-prefill-cap: 'auto' (default, None: the pool decides) or a token
+    count >= 0; per request at most the server's (a request holding more of its
+    prompt than the operator allowed could starve the pool)."""
+    auto = EvictionConfig.from_dict({"kv_eviction": "h2o"})
+    assert auto.prefill_cap is None and "kv_prefill_cap" not in auto.to_dict()
+    for raw, want in (("auto", None), ("0", 0), (0, 0), (2048, 2048), ("4096", 4096)):
+        cfg = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_prefill_cap": raw})
+        assert cfg.prefill_cap == want, raw
+    for bad in (-1, "-5", 0.5, "lots", True):
+        with pytest.raises(EvictionConfigError, match="--kv-prefill-cap"):
+            EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_prefill_cap": bad})
+    assert auto.for_request({"kv_prefill_cap": 0}, BLOCK).prefill_cap == 0
+    assert auto.for_request({"kv_prefill_cap": 10**9}, BLOCK).prefill_cap == 10**9
+    capped = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_prefill_cap": 512})
+    assert capped.for_request({"kv_prefill_cap": 256}, BLOCK).prefill_cap == 256
+    assert capped.for_request({"kv_budget": 128}, BLOCK).prefill_cap == 512
+    for more in (513, "auto"):
+        with pytest.raises(EvictionConfigError, match="kv_prefill_cap .* --kv-prefill-cap 512"):
+            capped.for_request({"kv_prefill_cap": more}, BLOCK)

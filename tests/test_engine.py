@@ -90,16 +90,55 @@ def test_decode_blocks_stay_bounded_and_return_to_pool(h2o_engine):
     assert _pool_is_whole(probe)
 
 
-def test_chunked_prefill_of_a_prompt_longer_than_the_budget(h2o_engine):
-    """A 1,500-token prompt, prefilled in 256-token chunks with eviction between
-    chunks, never holds more than budget + one chunk (+ the partial block)."""
-    llm, probe = h2o_engine
+def _long_prompt(llm, n=1500):
     text = open("/usr/share/common-licenses/GPL-3").read()
-    tok = llm.get_tokenizer()
-    ids = tok(text)["input_ids"][:1500]
-    out = llm.generate([{"prompt_token_ids": ids}], greedy(20, 64), use_tqdm=False)[0]
+    return llm.get_tokenizer()(text)["input_ids"][:n]
+
+
+def _fallbacks(probe) -> int:
+    return sum(m.num_prefill_fallbacks for m in probe.managers())
+
+
+def test_chunked_prefill_of_a_prompt_longer_than_the_budget(h2o_engine):
+    """With --kv-prefill-cap 0 (here per request), a 1,500-token prompt prefilled
+    in 256-token chunks is compacted between chunks and never holds more than
+    budget + one chunk (+ the partial block); each such compaction is counted."""
+    llm, probe = h2o_engine
+    before = _fallbacks(probe)
+    params = greedy(20, 64)
+    params.extra_args["kv_prefill_cap"] = 0
+    out = llm.generate([{"prompt_token_ids": _long_prompt(llm)}], params, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 20
     assert probe.max_blocks_per_request <= -(-(64 + 256) // 32) + 1
+    assert _fallbacks(probe) - before == 1500 // 256  # before chunks 2..6
+    assert _pool_is_whole(probe)
+
+
+def test_prompt_is_compacted_once_after_its_last_chunk(h2o_engine):
+    """Issue 18, the default: with room in the pool, the same prompt stays whole
+    through its 6 chunks (so H2O scores it with every prompt query, the end of
+    the prompt included) and is compacted once, at its first decode step, from
+    1,500 tokens straight to the budget; decode then compacts once per block."""
+    from vllm_kvevict.integration.worker import WorkerEviction
+
+    llm, probe = h2o_engine
+    before = _fallbacks(probe)
+    plans, original = [], WorkerEviction._compact
+
+    def compact(self, plan):
+        plans.append(plan)
+        return original(self, plan)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(WorkerEviction, "_compact", compact)
+        out = llm.generate([{"prompt_token_ids": _long_prompt(llm)}], greedy(40, 64),
+                           use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 40
+    first = plans[0]
+    assert (first.logical_len, first.old_len, first.new_len) == (1500, 1500, 64), first
+    assert all(p.logical_len > 1500 and p.old_len == 64 + 32 for p in plans[1:]), plans
+    assert probe.max_blocks_per_request >= -(-1500 // 32)  # it really held the prompt
+    assert _fallbacks(probe) == before
     assert _pool_is_whole(probe)
 
 
@@ -286,9 +325,20 @@ def test_preemption_under_eviction_gives_every_block_back(fresh_engines, model_p
     # Workers hear of finished requests with the next step: run one more.
     llm.generate(PROMPTS[:1], greedy(2), use_tqdm=False)
     leftover = known(worker_state().decode_log)
+    peak = probe.max_blocks_per_request
+    # Issue 18's fallback: a 1,000-token prompt in a 384-token pool cannot stay
+    # whole; it is compacted between chunks when the next one does not fit, and
+    # finishes (nothing preempted, nothing refused).
+    preempted = probe.preemptions
+    [long] = llm.generate([{"prompt_token_ids": _long_prompt(llm, 1000)}], greedy(20),
+                          use_tqdm=False)
+    fallbacks = _fallbacks(probe)
+    long_whole = probe.used_blocks() == 0
     close(llm)
+    assert len(long.outputs[0].token_ids) == 20 and long_whole
+    assert fallbacks > 0 and probe.preemptions == preempted
     assert all(len(o.outputs[0].token_ids) == 200 for o in outs)
     assert probe.preemptions > 0, "the pool should force preemptions"
     bound = max(max_blocks_per_request(64, 32), -(-(64 + 128) // 32) + 1)  # decode / prefill
-    assert probe.max_blocks_per_request <= bound
+    assert peak <= bound
     assert not leftover, "finished requests left queries in the log"

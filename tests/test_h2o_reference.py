@@ -234,9 +234,10 @@ def llm(model_path, engines):
     close(engine)
 
 
-def _vllm_generate(llm, prompt: list[int], max_tokens: int):
+def _vllm_generate(llm, prompt: list[int], max_tokens: int, extra_args: dict | None = None):
     """Greedy tokens; per compaction (plan, kept positions (L, H, new_len)); and
-    the number of prompt tokens served from the prefix cache."""
+    the number of prompt tokens served from the prefix cache. `extra_args`: the
+    request's own settings (e.g. {"kv_prefill_cap": 0})."""
     from vllm import SamplingParams
 
     from vllm_kvevict.integration.worker import WorkerEviction, worker_state
@@ -249,7 +250,8 @@ def _vllm_generate(llm, prompt: list[int], max_tokens: int):
         original(self, plan)
         snaps.append((plan, self.kept[plan.req_id].positions.clone()))
 
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                        extra_args=extra_args)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(WorkerEviction, "_compact", compact)
         [res] = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
@@ -335,22 +337,32 @@ class KeptSetChecker:
         return want
 
 
-@pytest.mark.parametrize("idx", [0, 1, 2])
-def test_h2o_matches_dense_reference(llm, hf, prompts, idx):
+# How the engine prefills a prompt longer than a chunk (CHUNK), and the
+# reference's schedule for it: "end", the default, keeps the prompt whole and
+# compacts it after its last chunk, which is the reference prefilling it in one
+# piece; "chunks" (--kv-prefill-cap 0) compacts between chunks.
+PREFILL = {"end": (None, None), "chunks": ({"kv_prefill_cap": 0}, CHUNK)}
+
+
+@pytest.mark.parametrize("idx,prefill", [(0, "end"), (1, "end"), (2, "end"), (2, "chunks")])
+def test_h2o_matches_dense_reference(llm, hf, prompts, idx, prefill):
     model, _ = hf
     prompt = prompts[idx]
-    got_tokens, snaps, cached = _vllm_generate(llm, prompt, MAX_TOKENS)
+    extra, chunk = PREFILL[prefill]
+    got_tokens, snaps, cached = _vllm_generate(llm, prompt, MAX_TOKENS, extra)
     assert cached == 0
     assert all(p.new_len == BUDGET for p, _ in snaps)
 
     check = KeptSetChecker(snaps, RECENT)
     ref_tokens, evictions = h2o_generate(model, prompt, MAX_TOKENS, BUDGET, RECENT, BLOCK,
-                                         chunk=CHUNK, on_evict=check)
+                                         chunk=chunk, on_evict=check)
     print(f"\nprompt {idx}: {len(prompt)} tokens, compactions at "
           f"L={[L for L, _, _ in evictions]}, {check.summary()}; "
           f"tokens equal: {got_tokens == ref_tokens}")
     assert [p.logical_len for p, _ in snaps] == [L for L, _, _ in evictions]
     assert len(evictions) >= 2, "the test should exercise repeated compactions"
+    if len(prompt) > CHUNK:  # first compacted after its last chunk, or before its second
+        assert snaps[0][0].logical_len == (len(prompt) if prefill == "end" else CHUNK)
     assert not check.report, "\n".join(check.report[:20])
     assert check.exact >= 0.99 * check.total, check.summary()
     first_diff = next((i for i, (a, b) in enumerate(zip(got_tokens, ref_tokens)) if a != b),
@@ -373,7 +385,7 @@ def test_h2o_never_serves_a_prefix_cache_hit(llm, hf):
                  use_tqdm=False)
     got_tokens, snaps, cached = _vllm_generate(llm, b, 8)
     assert cached == 0, f"H2O must not reuse A's blocks, got {cached} cached tokens"
-    ref_tokens, evictions = h2o_generate(model, b, 8, BUDGET, RECENT, BLOCK, chunk=CHUNK)
+    ref_tokens, evictions = h2o_generate(model, b, 8, BUDGET, RECENT, BLOCK)  # prefill "end"
     assert [p.logical_len for p, _ in snaps] == [L for L, _, _ in evictions]
     assert snaps, "B should compact at least once"
     pairs = [(g, w) for (_, got), (_, want, _) in zip(snaps, evictions)

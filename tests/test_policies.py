@@ -31,8 +31,19 @@ def test_planner_decode_and_chunk_boundaries():
     cfg = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 64})
     assert compaction_target(cfg, 95, 95, in_prefill=False, block_size=32) is None
     assert compaction_target(cfg, 96, 500, in_prefill=False, block_size=32) == 64
-    assert compaction_target(cfg, 65, 65, in_prefill=True, block_size=32) == 64
-    assert compaction_target(cfg, 64, 64, in_prefill=True, block_size=32) is None
+    # Prefill (issue 18): the prompt stays whole while the pool has room for
+    # its next chunk and --kv-prefill-cap allows; otherwise down to the budget.
+    assert compaction_target(cfg, 5000, 5000, in_prefill=True, block_size=32) is None
+    assert compaction_target(cfg, 65, 65, True, 32, room=False) == 64
+    assert compaction_target(cfg, 64, 64, True, 32, room=False) is None
+    capped = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 64,
+                                       "kv_prefill_cap": 512})
+    assert compaction_target(capped, 512, 512, True, 32) is None
+    assert compaction_target(capped, 513, 513, True, 32) == 64
+    between = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 64,
+                                        "kv_prefill_cap": "0"})
+    assert compaction_target(between, 65, 65, True, 32) == 64
+    assert compaction_target(between, 64, 64, True, 32) is None
     off = EvictionConfig.from_dict({"kv_eviction": "none"})
     assert compaction_target(off, 10_000, 10_000, False, 32) is None
 

@@ -5,7 +5,7 @@ loop over per-(layer, KV head) resident masks) runs the same eviction schedule
 as the plugin (planner.py), but each eviction ranks tokens with
 tests/window_reference.py: the papers' formulas, one head and one window query
 at a time, over the post-RoPE queries of the newest `window` tokens. The test
-compares, at every compaction (between prompt chunks and during decode), the
+compares, at every compaction (after the prompt or between its chunks, and during decode), the
 kept logical positions of every (layer, KV head), and the greedy tokens.
 Tokens of one AnDPro chunk share a score, so where the budget cuts a chunk the
 engine may keep either: such differences must be exact ties in the reference.
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from test_h2o_reference import (  # noqa: F401  (fixtures)
-    BLOCK, CHUNK, DenseH2O, KeptSetChecker, _vllm_generate, h2o_generate, one_thread, prompts)
+    BLOCK, CHUNK, PREFILL, DenseH2O, KeptSetChecker, _vllm_generate, h2o_generate, one_thread, prompts)
 from window_reference import keep, selection_scores, token_scores
 
 BUDGET, WINDOW = 64, 32  # recent defaults to the window
@@ -75,21 +75,26 @@ def llm(request, model_path, engines):
     close(engine)
 
 
-@pytest.mark.parametrize("idx", [0, 2])
-def test_window_policy_matches_dense_reference(llm, hf, prompts, idx):
+# The 150-token prompt (2 chunks), compacted after its last chunk (the default:
+# the window is the prompt's last 32 queries) and between chunks.
+@pytest.mark.parametrize("idx,prefill", [(2, "end"), (2, "chunks")])
+def test_window_policy_matches_dense_reference(llm, hf, prompts, idx, prefill):
     kind, engine = llm
     model, _ = hf
     prompt = prompts[idx]
-    got_tokens, snaps, cached = _vllm_generate(engine, prompt, MAX_TOKENS)
+    extra, chunk = PREFILL[prefill]
+    got_tokens, snaps, cached = _vllm_generate(engine, prompt, MAX_TOKENS, extra)
     assert cached == 0
     check = KeptSetChecker(snaps, WINDOW)
     ref_tokens, evictions = h2o_generate(model, prompt, MAX_TOKENS, BUDGET, WINDOW, BLOCK,
-                                         chunk=CHUNK, on_evict=check,
+                                         chunk=chunk, on_evict=check,
                                          make_ref=dense_window(kind))
     print(f"\n{kind} prompt {idx}: {len(prompt)} tokens, compactions at "
           f"L={[L for L, _, _ in evictions]}: {check.summary()}; "
           f"tokens equal: {got_tokens == ref_tokens}")
     assert [p.logical_len for p, _ in snaps] == [L for L, _, _ in evictions]
-    assert len(evictions) >= 3, "prompt-chunk and decode compactions both"
+    assert len(evictions) >= 3, "prompt and decode compactions both"
+    if prefill == "end":
+        assert snaps[0][0].logical_len == len(prompt) == snaps[0][0].old_len
     assert not check.report, "\n".join(check.report[:20])
     assert got_tokens == ref_tokens

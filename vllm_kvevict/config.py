@@ -26,6 +26,7 @@ FLAGS = {
     "kv_recent": "--kv-recent",
     "kv_sink": "--kv-sink",
     "kv_window": "--kv-window",
+    "kv_prefill_cap": "--kv-prefill-cap",
     "kv_swap_space": "--kv-swap-space",
     "kv_alpha": "--kv-alpha",
     "kv_prefetch": "--kv-prefetch",
@@ -40,7 +41,7 @@ FLAGS = {
 # Keys a single request may set (SamplingParams.extra_args; `vllm_xargs` in the
 # OpenAI API). The policy is a server setting: it decides which score buffers
 # every worker keeps.
-REQUEST_KEYS = ("kv_budget", "kv_recent")
+REQUEST_KEYS = ("kv_budget", "kv_recent", "kv_prefill_cap")
 
 
 class EvictionConfigError(ValueError):
@@ -106,6 +107,12 @@ class EvictionConfig:
     host_victim: "counter" (the paper), "lru" or "fifo".
     skewing: the skewing file (absolute path); None: the one
              `python -m vllm_kvevict.calibrate MODEL` wrote to its cache.
+    prefill_cap: resident tokens a request may hold while its prompt is
+             prefilled in chunks before it compacts between chunks. None
+             (default): the prompt stays whole while the pool can hold its
+             next chunk, and is compacted once, after its last chunk, with
+             every prompt query (the question too) scored; 0: compact before
+             every chunk (the behaviour before issue 18).
     """
 
     policy: str = "none"
@@ -119,6 +126,7 @@ class EvictionConfig:
     partial: float = 0.3
     host_victim: str = "counter"
     skewing: str | None = None
+    prefill_cap: int | None = None
 
     @property
     def enabled(self) -> bool:
@@ -180,8 +188,16 @@ class EvictionConfig:
             raise EvictionConfigError(
                 f"{_flag('kv_skewing')} is for KV offload: add --kv-eviction infinigen "
                 f"or --kv-swap-space")
+        cap = raw.get("kv_prefill_cap")
+        if isinstance(cap, str):
+            text = cap.strip().lower()
+            cap = None if text in ("", "none", "auto") else int(text) if text.isdigit() else cap
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise EvictionConfigError(
+                f"{_flag('kv_prefill_cap')} must be a token count >= 0 or 'auto', got "
+                f"{raw['kv_prefill_cap']!r}")
         return cls(policy=policy, budget=budget, recent=recent, sink=sink, window=window,
-                   **offload)
+                   prefill_cap=cap, **offload)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -193,6 +209,8 @@ class EvictionConfig:
                        kv_host_victim=self.host_victim)
             if self.skewing:
                 out["kv_skewing"] = self.skewing
+        if self.prefill_cap is not None:  # only when set: the default keeps spec hashes
+            out["kv_prefill_cap"] = self.prefill_cap
         return out
 
     def check_block_size(self, block_size: int) -> None:
@@ -254,6 +272,11 @@ class EvictionConfig:
                 f"{where}: kv_budget ({cfg.budget}) is below one KV block ({block_size} tokens)")
         if "kv_budget" in asked:
             self._check_request_budget(cfg.budget, asked["kv_budget"], where, block_size)
+        if self.prefill_cap is not None and (cfg.prefill_cap is None
+                                             or cfg.prefill_cap > self.prefill_cap):
+            raise EvictionConfigError(
+                f"{where}: kv_prefill_cap {asked.get('kv_prefill_cap')!r} holds more of the "
+                f"prompt than the server's --kv-prefill-cap {self.prefill_cap}; ask for at most that")
         return cfg
 
     def _check_request_budget(self, got: int | float, raw: Any, where: str,

@@ -9,9 +9,14 @@ just executes its plans, so both sides agree by construction.
                    request never holds more than budget + block_size tokens.
     offload (InfiniGen): no compaction during prefill; decode as above, and
                    the evicted tokens go to the host tier.
-    chunked prefill: before each new prompt chunk, compact when P > budget, so a
-                   prompt far longer than the budget never holds more than
-                   budget + one chunk.
+    prefill (default): the prompt stays whole, and its first decode step
+                   compacts it (decode's rule: P = prompt length), so the policy
+                   scores every prompt token with every prompt query, the
+                   question at its end included. Compaction is decided after the
+                   question, not before (issue 18).
+    prefill, memory short (or P past --kv-prefill-cap): before the next prompt
+                   chunk, compact when P > budget, so a prompt far longer than
+                   the pool still holds at most budget + one chunk.
 """
 
 from __future__ import annotations
@@ -20,15 +25,23 @@ from vllm_kvevict.config import EvictionConfig
 
 
 def compaction_target(cfg: EvictionConfig, physical: int, logical: int,
-                      in_prefill: bool, block_size: int) -> int | None:
-    """New physical length if the request should be compacted now, else None."""
+                      in_prefill: bool, block_size: int, room: bool = True) -> int | None:
+    """New physical length if the request should be compacted now, else None.
+
+    room: in prefill, whether the pool can hold the request's next prompt chunk
+          (the scheduler's view); without it the prompt is compacted between
+          chunks rather than the request preempted or refused.
+    """
     if not cfg.enabled or (cfg.offload and in_prefill):
         # Offload: the prompt is prefilled whole (every chunk attends every
         # earlier prompt token, as in InfiniGen), then moves to the host tier.
         return None
     budget = cfg.budget_tokens(logical, block_size)
-    limit = budget if in_prefill else budget + block_size - 1
-    return budget if physical > limit else None
+    if in_prefill:
+        if room and (cfg.prefill_cap is None or physical <= cfg.prefill_cap):
+            return None  # decide after the question: the prompt stays whole
+        return budget if physical > budget else None
+    return budget if physical > budget + block_size - 1 else None
 
 
 def never_compacts(cfg: EvictionConfig, prompt_len: int, max_tokens: int) -> bool:

@@ -15,6 +15,7 @@ rewritten only when a value changed, at most once per engine step.
     vllm_kvevict_tokens_evicted_total       tokens dropped by compactions
     vllm_kvevict_blocks_freed_total         KV blocks returned to vLLM's BlockPool
     vllm_kvevict_compactions_total          request compactions
+    vllm_kvevict_prefill_fallbacks_total    of them, between prompt chunks (memory short)
     vllm_kvevict_resident_tokens{kind}      running requests' KV tokens:
                                             kind="logical" (seen), "physical" (held)
     vllm_kvevict_compaction_seconds_total{rank}  worker time spent compacting
@@ -112,9 +113,12 @@ class EvictionCollector:
             yield info
             for key, doc in (
                     ("tokens_evicted", "KV tokens dropped by compactions"),
-                    ("compactions", "Request compactions")):
+                    ("compactions", "Request compactions"),
+                    ("prefill_fallbacks", "Compactions between prompt chunks because the "
+                                          "pool could not hold the whole prompt (or "
+                                          "--kv-prefill-cap)")):
                 yield CounterMetricFamily(f"vllm_kvevict_{key}", doc,
-                                          value=sum(s[key] for s in scheduler))
+                                          value=sum(s.get(key, 0) for s in scheduler))
             yield CounterMetricFamily(
                 "vllm_kvevict_blocks_freed", "KV blocks returned to vLLM's block pool by compactions",
                 value=sum(s["blocks_freed"] for s in snaps if s.get("role") == "scheduler"))

@@ -48,8 +48,10 @@ class EvictableAttentionSpec(FullAttentionSpec):
         return EvictionConfig.from_dict(dict(self.eviction))
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
-        """A request never holds more than budget + block + one prefill chunk, so
-        a pool smaller than max_model_len can still serve max_model_len."""
+        """A request needs at most budget + block + one prefill chunk: it holds
+        its whole prompt only while the pool has room, and is compacted between
+        chunks when not (planner.py), so a pool smaller than max_model_len can
+        still serve max_model_len."""
         full = super().max_memory_usage_bytes(vllm_config)
         cfg = self.eviction_config
         if not isinstance(cfg.budget, int) or cfg.offload:  # offload: prompts stay whole
@@ -73,6 +75,10 @@ class EvictableAttentionManager(FullAttentionManager):
         self.num_compactions = 0
         self.num_tokens_evicted = 0
         self.num_blocks_freed = 0  # returned to the BlockPool's free queue
+        self.num_prefill_fallbacks = 0  # compactions between prompt chunks
+        # The scheduler's chunk (max_num_batched_tokens; set by
+        # patches/scheduler_schedule.py): how much a prefill may add next.
+        self.chunk_tokens: int | None = None
         # The scheduler's live requests (set by patches/scheduler_schedule.py):
         # their SamplingParams.extra_args may carry a per-request budget.
         self.requests: dict[str, Any] = {}
@@ -151,7 +157,9 @@ class EvictableAttentionManager(FullAttentionManager):
         physical = logical - ev
         in_prefill = num_prompt_tokens is not None and logical < num_prompt_tokens
         cfg = self.request_config(request_id)
-        target = compaction_target(cfg, physical, logical, in_prefill, self.block_size)
+        room = not in_prefill or self._room_for_next_chunk(
+            blocks, physical, num_prompt_tokens - logical)
+        target = compaction_target(cfg, physical, logical, in_prefill, self.block_size, room)
         if target is None or any(p.req_id == request_id for p in self.pending):
             return
         old_blocks = cdiv(physical, self.block_size)
@@ -193,12 +201,23 @@ class EvictableAttentionManager(FullAttentionManager):
         self.num_compactions += 1
         self.num_tokens_evicted += physical - target
         self.num_blocks_freed += freeable
+        self.num_prefill_fallbacks += in_prefill
         self.pending.append(CompactionPlan(
             req_id=request_id, group_id=self.kv_cache_group_id,
             src_block_ids=tuple(b.block_id for b in src),
             dst_block_ids=tuple(b.block_id for b in blocks[:keep_blocks]),
             old_len=physical, new_len=target, logical_len=logical,
             recent=cfg.recent_tokens(target, logical)))
+
+    def _room_for_next_chunk(self, blocks: list, physical: int, remaining: int) -> bool:
+        """Can the pool hold this request's next prompt chunk (at most `remaining`
+        prompt tokens) and still give one block to every other request holding
+        blocks (a decode step's next block)? If not, the prompt is compacted
+        between chunks instead (counted: vllm_kvevict_prefill_fallbacks_total)."""
+        chunk = min(remaining, self.chunk_tokens or remaining)
+        need = cdiv(physical + chunk, self.block_size) - len(blocks)
+        others = len(self.req_to_blocks) - 1
+        return need + others <= self.block_pool.get_num_free_blocks()
 
     def write_metrics(self) -> None:
         """Cumulative counters and resident tokens for /metrics (integration/metrics.py).
@@ -218,6 +237,7 @@ class EvictableAttentionManager(FullAttentionManager):
             "role": "scheduler", "group": self.kv_cache_group_id, "config": config,
             "tokens_evicted": self.num_tokens_evicted, "compactions": self.num_compactions,
             "blocks_freed": self.num_blocks_freed,
+            "prefill_fallbacks": self.num_prefill_fallbacks,
             "logical_tokens": logical, "physical_tokens": physical})
 
     def take_plans(self) -> tuple[list[CompactionPlan], list[str]]:
