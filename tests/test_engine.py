@@ -235,10 +235,12 @@ def test_bad_settings_stop_engine_startup(model_path):
 
 @pytest.mark.parametrize("policy", ["snapkv", "andpro"])
 def test_window_policies_bound_blocks_and_free_everything(engines, policy):
-    """A 700-token prompt in 256-token chunks and 200 decode tokens at budget 96:
-    every compaction is scored from a full window, each request stays within
-    the block bound (vLLM's req_to_blocks), and pool and query ring are empty
-    once the requests finish."""
+    """A 700-token prompt in 256-token chunks, compacted between chunks
+    (kv_prefill_cap 0: the path a short pool takes), and 200 decode tokens at
+    budget 96: every compaction is scored from a full window, each request stays
+    within the block bound (vLLM's req_to_blocks), and pool and query ring are
+    empty once the requests finish. (The default, one compaction after the last
+    chunk, is held to the dense reference in test_window_reference.py.)"""
     from vllm_kvevict.integration.probe import attach
     from vllm_kvevict.integration.worker import worker_state
 
@@ -248,7 +250,9 @@ def test_window_policies_bound_blocks_and_free_everything(engines, policy):
     windowless0, (evicted0, compactions0) = state.num_windowless, totals(probe)
     prompts = [{"prompt_token_ids": llm.get_tokenizer()(text[i * 3000:])["input_ids"][:700]}
                for i in range(3)]
-    outs = llm.generate(prompts, greedy(200, 96, ignore_eos=True), use_tqdm=False)
+    params = greedy(200, 96, ignore_eos=True)
+    params.extra_args["kv_prefill_cap"] = 0
+    outs = llm.generate(prompts, params, use_tqdm=False)
     evicted, compactions = (n - n0 for n, n0 in zip(totals(probe), (evicted0, compactions0)))
     # Workers hear of finished requests with the next step: run one more (a
     # request that can never exceed the budget logs nothing itself).

@@ -98,7 +98,7 @@ def run(args, save=None, meta=None) -> list[dict]:
         spec = run_vllm.EngineSpec(mdir, max_model_len=-(-longest // 32) * 32,
                                    kv_pool_mib=args.kv_pool_mib or KV_POOL_MIB[args.config],
                                    chunk_tokens=args.chunk_tokens or CHUNK_TOKENS[args.config],
-                                   dtype=args.dtype)
+                                   dtype=args.dtype, prefill_cap=getattr(args, "prefill_cap", None))
         if meta is not None:
             meta.setdefault("engines", {})[model] = dataclasses.asdict(spec)
         bar = tqdm(total=len(engines) * len(tasks), desc=model, unit="task")
@@ -142,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                    "full 1024)")
     p.add_argument("--chunk-tokens", type=int, help="chunked-prefill chunk "
                    "(max_num_batched_tokens; default smoke 256, full 512)")
+    p.add_argument("--prefill-cap", type=int, default=None,
+                   help="--kv-prefill-cap of the evicting engines (default: compress once "
+                   "the prompt is complete; 0: between every prompt chunk, as before issue 18)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="model and KV dtype of every engine (default bfloat16; float32 is "
                    "the faster one on CPUs without avx512_bf16)")

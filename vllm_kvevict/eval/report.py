@@ -176,9 +176,13 @@ def write_report(rows: list[dict], out: str | Path, meta: dict | None = None) ->
             e = engines[model]
             lines += [(f"Engine: chunked prefill of {e['chunk_tokens']} tokens, KV pool "
                        f"{e['kv_pool_mib']} MiB, block {e['block_size']}, max_model_len "
-                       f"{e['max_model_len']}. Eviction runs between prompt chunks, so a "
-                       "chunk's tokens always see each other in full: prompt perplexity "
-                       "depends on the chunk size."), ""]
+                       f"{e['max_model_len']}. "
+                       + ("Eviction runs between prompt chunks, so a chunk's tokens always "
+                          "see each other in full: prompt perplexity depends on the chunk "
+                          "size." if e.get("prefill_cap") == 0 else
+                          "A prompt is compressed once it is complete (between chunks only "
+                          "if the pool cannot hold it; --kv-prefill-cap "
+                          f"{e.get('prefill_cap') or 'auto'}).")), ""]
         for name in plots.plot_model(rows, model, out):
             lines += [f"![{name}]({name})", ""]
         lines += task_tables(rows, model) + side_by_side(rows, model) + wall_table(rows, model)

@@ -43,6 +43,8 @@ class EngineSpec:
         requests when it runs out; evicting engines hold far less).
     chunk_tokens: max_num_batched_tokens, i.e. the chunked-prefill chunk size.
     dtype: model and KV dtype.
+    prefill_cap: --kv-prefill-cap of the evicting engines (None: the default,
+        compress once the prompt is complete; 0: between every chunk).
     """
 
     model_dir: str
@@ -51,6 +53,7 @@ class EngineSpec:
     chunk_tokens: int = 512
     block_size: int = 32
     dtype: str = "bfloat16"
+    prefill_cap: int | None = None
 
 
 def build_llm(spec: EngineSpec, policy: str, budget: float):
@@ -59,6 +62,8 @@ def build_llm(spec: EngineSpec, policy: str, budget: float):
     extra = {"kv_eviction": policy}
     if policy != "none":
         extra["kv_budget"] = float(budget)  # a float is a fraction, even 1.0
+        if spec.prefill_cap is not None:
+            extra["kv_prefill_cap"] = spec.prefill_cap
     return LLM(spec.model_dir, enforce_eager=True, dtype=spec.dtype, seed=0,
                block_size=spec.block_size, max_model_len=spec.max_model_len,
                kv_cache_memory_bytes=spec.kv_pool_mib << 20,
