@@ -9,6 +9,8 @@ HOW: after the stock schedule(), drain the plans of every
      in the same step (preempted, aborted) were already dropped by the manager.
      New requests that can never exceed the budget are listed as unscored.
      Also writes the eviction counters for /metrics (integration/metrics.py).
+     Before the stock schedule(), hands each manager the scheduler's requests
+     (per-request budgets) and chunk size (prefill room, admission cap).
 UPSTREAM: a per-manager "worker metadata" hook on SchedulerOutput, or KV
      managers allowed to emit block moves (like kv_cache_block_copies) with a
      per-head index.
@@ -31,7 +33,7 @@ def apply() -> None:
                     if isinstance(m, EvictableAttentionManager)]
         for m in managers:  # read inside allocate_slots, during the stock schedule()
             m.requests = self.requests  # per-request budgets (extra_args)
-            m.chunk_tokens = self.scheduler_config.max_num_batched_tokens
+            m.set_chunk_tokens(self.scheduler_config.max_num_batched_tokens)
         output = schedule.__kvevict_original__(self, *args, **kwargs)
         if managers:
             step = EvictionStep()

@@ -53,15 +53,32 @@ class EvictableAttentionSpec(FullAttentionSpec):
         chunks when not (planner.py), so a pool smaller than max_model_len can
         still serve max_model_len."""
         full = super().max_memory_usage_bytes(vllm_config)
-        cfg = self.eviction_config
-        if not isinstance(cfg.budget, int) or cfg.offload:  # offload: prompts stay whole
-            return full
-        chunk = vllm_config.scheduler_config.max_num_batched_tokens
-        peak = cfg.budget + self.block_size + chunk
-        return min(full, cdiv(peak, self.block_size) * self.page_size_bytes)
+        cap = admission_blocks(self.eviction_config, self.block_size,
+                               vllm_config.scheduler_config.max_num_batched_tokens)
+        return full if cap is None else min(full, cap * self.page_size_bytes)
+
+
+def admission_blocks(cfg: EvictionConfig, block_size: int, chunk: int) -> int | None:
+    """Blocks a request needs at most (budget + block + one chunk), or None
+    where that is its whole length (fractional budgets; offload keeps prompts
+    whole). Startup sizes the pool with it, and admission must use the same
+    bound: vLLM's scheduler admits a request only when its whole sequence fits
+    (scheduler_reserve_full_isl), so without it a prompt longer than the free
+    pool, which eviction would serve, waited forever."""
+    if not cfg.enabled or not isinstance(cfg.budget, int) or cfg.offload:
+        return None
+    return cdiv(cfg.budget + block_size + chunk, block_size)
 
 
 class EvictableAttentionManager(FullAttentionManager):
+    def set_chunk_tokens(self, chunk: int) -> None:
+        """The scheduler's chunk (max_num_batched_tokens), from
+        patches/scheduler_schedule.py: how much a prefill may add next, and
+        with it the admission cap vLLM's own get_num_blocks_to_allocate applies
+        (the attribute it reads for sliding-window specs)."""
+        self.chunk_tokens = chunk
+        self.max_admission_blocks_per_request = admission_blocks(self.cfg, self.block_size, chunk)
+
     def __init__(self, kv_cache_spec: EvictableAttentionSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         self.cfg = kv_cache_spec.eviction_config
@@ -76,9 +93,7 @@ class EvictableAttentionManager(FullAttentionManager):
         self.num_tokens_evicted = 0
         self.num_blocks_freed = 0  # returned to the BlockPool's free queue
         self.num_prefill_fallbacks = 0  # compactions between prompt chunks
-        # The scheduler's chunk (max_num_batched_tokens; set by
-        # patches/scheduler_schedule.py): how much a prefill may add next.
-        self.chunk_tokens: int | None = None
+        self.chunk_tokens: int | None = None  # set_chunk_tokens
         # The scheduler's live requests (set by patches/scheduler_schedule.py):
         # their SamplingParams.extra_args may carry a per-request budget.
         self.requests: dict[str, Any] = {}
