@@ -80,12 +80,18 @@ def close(llm) -> None:
     gc.collect()
 
 
-def sampling_params(instance: dict):
+def sampling_params(instance: dict, evicting: bool):
     from vllm import SamplingParams
 
     if instance["task"] == "perplexity":
         # prompt_logprobs=0: the logprob of each actual prompt token only.
-        return SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+        # Prompt perplexity measures what evicting while reading costs the next
+        # tokens (InfiniGen's Figure 12): a prompt compressed only once it is
+        # complete (the default) would be scored with the full cache, so this
+        # task compacts between chunks.
+        extra = {"kv_prefill_cap": 0} if evicting else None
+        return SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, detokenize=False,
+                              extra_args=extra)
     return SamplingParams(temperature=0, max_tokens=instance["max_tokens"],
                           ignore_eos=bool(instance["meta"].get("ignore_eos")))
 
@@ -173,7 +179,8 @@ def run_engine(spec: EngineSpec, model: str, policy: str, budget: float,
             evicted0, pre0 = _tokens_evicted(probe), probe.preemptions
             t0 = time.perf_counter()
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[task]],
-                                   [sampling_params(i) for i in instances], use_tqdm=True)
+                                   [sampling_params(i, policy != "none") for i in instances],
+                                   use_tqdm=True)
             wall = time.perf_counter() - t0
             score, detail = _score_task(task, instances, prompts[task], outputs, reference)
             detail.update(engine_start_s=round(start_s, 2),
