@@ -84,6 +84,12 @@ def run(args, save=None, meta=None) -> list[dict]:
     rows: list[dict] = []
     for model in _list(args.models) or DEFAULT_MODELS[args.config]:
         mdir = model_dir(model)
+        if any(p == "infinigen" for p, _ in engines):
+            # Offload engines need the model's skewing file, which serving never
+            # computes (issue 20 #8): the offline command's function, once.
+            from vllm_kvevict.calibrate import calibrate
+
+            calibrate(mdir)
         tok = load_tokenizer(mdir)
         if args.instances:  # the exact instances another runner got (--dump-tasks)
             instances = [i for i in json.loads(Path(args.instances).read_text())["instances"]
