@@ -235,3 +235,37 @@ def hf(model_path):
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
                                                  attn_implementation="eager").eval()
     return model, AutoTokenizer.from_pretrained(model_path)
+
+
+SERVE_DEFAULTS = ("--block-size", "32", "--enforce-eager")
+
+
+def serve_config(model: str, *argv: str):
+    """The engine config `vllm serve MODEL ARGV` would start with, or what it
+    says when it refuses (a string), through the same steps as the command
+    (vllm.entrypoints.cli.serve), in this process: the serve parser (the
+    plugin's flags included), validate_parsed_serve_args, then
+    AsyncEngineArgs.from_cli_args(args).create_engine_config(...)."""
+    import contextlib
+    import io
+
+    import vllm_kvevict
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    vllm_kvevict.register()  # what the entry point does in every vLLM process
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            args = parser.parse_args([model, *SERVE_DEFAULTS, *argv])
+        args.model = args.model_tag  # as ServeSubcommand.cmd does
+        validate_parsed_serve_args(args)
+        return AsyncEngineArgs.from_cli_args(args).create_engine_config(
+            usage_context=UsageContext.OPENAI_API_SERVER)
+    except SystemExit:  # argparse: message on stderr
+        return stderr.getvalue()
+    except Exception as e:  # noqa: BLE001  (the refusal under test, whatever its type)
+        return f"{type(e).__name__}: {e}"

@@ -14,8 +14,6 @@ config, with the plugin's hooks), in this process; two of them also as a real
 `vllm serve` that must exit naming the flag.
 """
 
-import contextlib
-import io
 import json
 import subprocess
 import sys
@@ -23,10 +21,10 @@ import time
 
 import pytest
 import requests
+from conftest import SERVE_DEFAULTS, serve_config
 
 BUDGET = 64  # conftest.H2O_SERVER_ARGS
 REFERENCE = "The history of the lighthouse began"
-SERVE_DEFAULTS = ("--block-size", "32", "--enforce-eager")
 
 
 @pytest.fixture(scope="module")
@@ -132,32 +130,10 @@ def test_bad_input_gets_4xx_and_changes_nothing(server, reference_text, case):
 
 
 def serve_refusal(model: str, *argv: str) -> str | None:
-    """What `vllm serve MODEL ARGV` says when it refuses to start, through the
-    same steps as the command (vllm.entrypoints.cli.serve): the serve parser
-    (the plugin's flags included), validate_parsed_serve_args, then
-    AsyncEngineArgs.from_cli_args(args).create_engine_config(...), in this
-    process. None if every step accepts the settings."""
-    import vllm_kvevict
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.usage.usage_lib import UsageContext
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    vllm_kvevict.register()  # what the entry point does in every vLLM process
-    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
-    stderr = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(stderr):
-            args = parser.parse_args([model, *SERVE_DEFAULTS, *argv])
-        args.model = args.model_tag  # as ServeSubcommand.cmd does
-        validate_parsed_serve_args(args)
-        AsyncEngineArgs.from_cli_args(args).create_engine_config(
-            usage_context=UsageContext.OPENAI_API_SERVER)
-    except SystemExit:  # argparse: message on stderr
-        return stderr.getvalue()
-    except Exception as e:  # noqa: BLE001  (the refusal under test, whatever its type)
-        return f"{type(e).__name__}: {e}"
-    return None
+    """What `vllm serve MODEL ARGV` says when it refuses to start
+    (conftest.serve_config), or None if every step accepts the settings."""
+    said = serve_config(model, *argv)
+    return said if isinstance(said, str) else None
 
 
 BAD_SETTINGS = [

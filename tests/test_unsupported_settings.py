@@ -19,15 +19,12 @@ and `LLM(...)` for the offline door. No engine is built. Stock vLLM (no
 refusal is the plugin's.
 """
 
-import contextlib
-import io
 import json
 
 import pytest
+from conftest import serve_config
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
-SERVE_DEFAULTS = ("--block-size", "32", "--enforce-eager")
-
 UNSUPPORTED = [
     pytest.param(["--speculative-config", NGRAM], "--speculative-config", id="spec"),
     pytest.param(["--spec-method", "ngram", "--spec-tokens", "2"], "--spec-method",
@@ -45,31 +42,6 @@ EVICTION = [
     pytest.param(["--additional-config", json.dumps({"kv_eviction": "h2o"})],
                  "--kv-eviction h2o", id="additional-config"),
 ]
-
-
-def serve_config(model: str, *argv: str):
-    """The engine config `vllm serve MODEL ARGV` would start with, or what it
-    says when it refuses (a string)."""
-    import vllm_kvevict
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.usage.usage_lib import UsageContext
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    vllm_kvevict.register()  # what the entry point does in every vLLM process
-    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
-    stderr = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(stderr):
-            args = parser.parse_args([model, *SERVE_DEFAULTS, *argv])
-        args.model = args.model_tag  # as ServeSubcommand.cmd does
-        validate_parsed_serve_args(args)
-        return AsyncEngineArgs.from_cli_args(args).create_engine_config(
-            usage_context=UsageContext.OPENAI_API_SERVER)
-    except SystemExit:  # argparse: message on stderr
-        return stderr.getvalue()
-    except Exception as e:  # noqa: BLE001  (the refusal under test, whatever its type)
-        return f"{type(e).__name__}: {e}"
 
 
 @pytest.mark.parametrize("eviction, ours", EVICTION)
