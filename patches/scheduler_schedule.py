@@ -33,7 +33,8 @@ def apply() -> None:
                     if isinstance(m, EvictableAttentionManager)]
         for m in managers:  # read inside allocate_slots, during the stock schedule()
             m.requests = self.requests  # per-request budgets (extra_args)
-            m.set_chunk_tokens(self.scheduler_config.max_num_batched_tokens)
+            if m.chunk_tokens is None:  # fixed for the engine's life: once
+                m.set_chunk_tokens(self.scheduler_config.max_num_batched_tokens)
         output = schedule.__kvevict_original__(self, *args, **kwargs)
         if managers:
             step = EvictionStep()
