@@ -51,6 +51,7 @@ CUDA path does neither. Each pinned count lists where its syncs come from.
 from __future__ import annotations
 
 import contextlib
+import os
 import traceback
 from collections import Counter
 from types import SimpleNamespace
@@ -87,6 +88,8 @@ FACTORIES = ("arange", "zeros", "ones", "empty", "full", "rand", "randn", "randi
              "linspace", "eye")
 HOST_DATA_FACTORIES = ("tensor", "as_tensor")  # with device=: host data copied up, blocking
 
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 class SyncCounter(TorchDispatchMode):
     """Counts would-be host-device syncs (see the module docstring). `events`
@@ -127,7 +130,8 @@ class SyncCounter(TorchDispatchMode):
         for frame in reversed(traceback.extract_stack()[:-3]):
             f = frame.filename
             if "vllm_kvevict" in f or "triton_kernels" in f or "/vllm/" in f:
-                short = f.split("site-packages/")[-1].split("/main/")[-1]
+                # Relative to site-packages or to this checkout, wherever it lives.
+                short = f.split("site-packages/")[-1].removeprefix(REPO_ROOT)
                 return f"{short}:{frame.lineno} {frame.name}"
         return "?"
 
