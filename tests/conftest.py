@@ -29,15 +29,26 @@ import torch
 
 from vllm_kvevict.eval.server import kv_pool_bytes, native_dtype
 
-# Threads of this process (in-process engines and references). vLLM binds
-# OpenMP threads only in the worker processes its `mp` executor spawns
-# (servers, TP runs: VLLM_CPU_OMP_THREADS_BIND); in-process engines use torch's
-# default, one thread per core. Measured on 2 idle cores (SmolLM2, H2O, one
-# engine: 4 x 160 decode tokens / 2 x 1,500-token prefill;
-# scripts/measure/engine_threads.py): 2 threads 8.1 s / 14.8 s, 1 thread
-# 8.7 s / 19.5 s (fp32; the same ranking in bf16 and under AVX2 emulation). So: every core, and nothing
-# else running beside an in-process engine (see pytest_collection_modifyitems).
-torch.set_num_threads(os.cpu_count() or 1)
+# The suite runs on pytest-xdist workers (pyproject: `-n auto`, at most one
+# per core, see pytest_xdist_auto_num_workers), each with its share of the
+# cores: in-process engines and references through torch's threads, child
+# processes through OMP_NUM_THREADS, and `vllm serve` engine cores through
+# VLLM_CPU_OMP_THREADS_BIND (vLLM binds OpenMP threads only in the processes its
+# `mp` executor spawns; TP runs set their own "0|1"). Two busy OpenMP teams on
+# the same cores slow each other many times over (threads spin at barriers), so
+# no process of one worker spreads onto the other's core. Measured on 2 idle
+# cores (SmolLM2, H2O, one engine, 4 x 160 decode tokens / 2 x 1,500-token
+# prefill; scripts/measure/engine_threads.py): 2 threads 8.1 s / 14.8 s, 1
+# thread 8.7 s / 19.5 s: decode is Python-bound, so two 1-thread workers do
+# nearly twice the work of one 2-thread process.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+_CPUS = sorted(os.sched_getaffinity(0))
+WORKER_CPUS = _CPUS[WORKER::WORKERS] if WORKERS > 1 else _CPUS
+os.environ["OMP_NUM_THREADS"] = str(len(WORKER_CPUS))
+if WORKERS > 1:
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, WORKER_CPUS))
+torch.set_num_threads(len(WORKER_CPUS))
 
 HERE = os.path.dirname(__file__)
 
@@ -176,18 +187,70 @@ def stock_ids(model_path: str, dtype: str) -> list[list[int]]:
 # The suite's plugin server: test_server.py, test_load.py, test_soak.py and the plugin's first
 # server of test_worker_fault.py (which kills it: the next user gets a new one).
 H2O_SERVER_ARGS = ("--kv-eviction", "h2o", "--kv-budget", "64", "--max-num-seqs", "64")
-H2O_SERVER_FILES = ("test_load.py", "test_soak.py", "test_server.py", "test_worker_fault.py")
 
 
+# Files that share a session resource run on one xdist worker, as one group:
+# the TP runs (tests/tp_runs.py), InfiniGen's calibration (fixture
+# `calibrated`), the h2o server (`_h2o_server`; test_worker_fault.py last: it
+# kills the server). Every other file is a group of its own (its tests share
+# its engines).
+GROUPS = {
+    "tensor_parallel": ("test_tensor_parallel.py", "test_ray.py"),
+    "calibrated": ("test_infinigen_calibrate.py", "test_infinigen_engine.py",
+                   "test_infinigen_server.py"),
+    "h2o_server": ("test_load.py", "test_soak.py", "test_server.py", "test_worker_fault.py"),
+}
+GROUP_FIXTURES = {"calibrated": "calibrated", "_h2o_server": "h2o_server"}
+_GROUP_OF = {f: g for g, files in GROUPS.items() for f in files}
+# Seconds per group, measured (default tier in one process, 2 cores,
+# 2026-11-24: `pytest -q -n0 --durations=0`): the heaviest start first, so the
+# workers end together. A group not listed counts as 0 and fills in at the end.
+GROUP_SECONDS = {"h2o_server": 307, "tensor_parallel": 232, "calibrated": 185,
+                 "test_engine.py": 143, "test_eval_smoke.py": 90,
+                 "test_request_budget.py": 55, "test_infinigen_dense.py": 51,
+                 "test_window_reference.py": 50, "test_h2o_reference.py": 47,
+                 "test_prompt_modules_security.py": 40, "test_prompt_modules_engines.py": 35,
+                 "test_prompt_modules_server.py": 31, "test_prompt_modules_server_limits.py": 30,
+                 "test_prompt_modules_quality.py": 28}
+
+
+def group_of(nodeid: str) -> str:
+    """The xdist group of a test: its file's group, else its file."""
+    name = nodeid.split("::")[0].rsplit("/", 1)[-1]
+    return _GROUP_OF.get(name, name)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session, config, items):
-    """The files that use the shared h2o server run last, one after the other, so
-    the server is not running beside the in-process engines of other files
-    (two busy processes on two cores slow OpenMP regions many times over)."""
-    last = [it for it in items if it.path.name in H2O_SERVER_FILES]
-    if last:
-        order = {name: i for i, name in enumerate(H2O_SERVER_FILES)}
-        last.sort(key=lambda it: order[it.path.name])  # stable: file order kept within
-        items[:] = [it for it in items if it.path.name not in H2O_SERVER_FILES] + last
+    """Heaviest group first, the files of a group together (the order in
+    which the xdist scheduler below hands groups out, and the order of a plain
+    run). A test that uses a shared fixture from a file outside its group would
+    start that resource twice: refused here."""
+    for it in items:
+        for fixture, group in GROUP_FIXTURES.items():
+            assert fixture not in it.fixturenames or group_of(it.nodeid) == group, \
+                f"{it.nodeid} uses {fixture}: add its file to conftest.GROUPS[{group!r}]"
+    rank = {f: i for files in GROUPS.values() for i, f in enumerate(files)}
+    items.sort(key=lambda it: (-GROUP_SECONDS.get(group_of(it.nodeid), 0),
+                               group_of(it.nodeid), rank.get(it.path.name, 0)))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core, at most 2 (more only queue on the
+    suite's 2-core machines, and each holds engines of a few GiB)."""
+    return max(1, min(2, len(os.sched_getaffinity(0))))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Whole groups to a worker, in collection order (--no-loadscope-reorder).
+    (xdist's own `--dist loadgroup` marks do not take under pytest 9.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return ByGroup(config, log)
 
 
 class SharedServer:
