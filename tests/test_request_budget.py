@@ -70,24 +70,43 @@ def test_request_budget_bounds_its_blocks_and_shows_in_metrics(llm):
     assert m[("vllm_kvevict_resident_tokens", (("kind", "physical"),))] == 0
 
 
-@pytest.mark.parametrize("extra, match", [
+BAD_REQUESTS = [
     ({"kv_budget": 8}, "below one KV block"),
     ({"kv_budget": 4096}, "server's --kv-budget"),
     ({"kv_budget": "lots"}, "token count"),
     ({"kv_budget": 64, "kv_recent": 128}, "must not exceed"),
     ({"kv_eviction": "streaming"}, "policy is a server setting"),
-])
-def test_bad_request_budget_is_refused_and_changes_nothing(llm, at_64, extra, match):
+]
+
+
+@pytest.mark.parametrize("extra, match", BAD_REQUESTS)
+def test_bad_request_budget_is_refused_and_holds_nothing(llm, at_64, extra, match):
+    """`at_64` is taken before the first refusal: the reference of the last test."""
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError  # what vLLM's own checks raise
 
+    probe = attach(llm)
     with pytest.raises(VLLMValidationError, match=match):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, extra_args=extra),
                      use_tqdm=False)
+    assert probe.used_blocks() == 0  # nothing left behind in vLLM's pool
+
+
+def test_engine_serves_on_after_every_refused_request(llm, at_64):
+    """After all of BAD_REQUESTS above (same file, same engine, run first), the
+    engine produces exactly the tokens it produced before them and its pool ends
+    empty: a refusal that changed any state would show here (one check for the
+    five refusals: each such run is 4 x 200 tokens)."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    for extra, _ in BAD_REQUESTS:  # again, so this test stands alone too
+        with pytest.raises(VLLMValidationError):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, extra_args=extra),
+                         use_tqdm=False)
     probe, after = _run(llm, {"kv_budget": 64})
     assert after == at_64  # the engine serves on, same tokens
     assert probe.used_blocks() == 0  # nothing left behind in vLLM's pool
-
 
 
 def test_fraction_server_refuses_more_at_admission(model_path):

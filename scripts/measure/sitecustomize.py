@@ -79,3 +79,23 @@ if _LOG:
         module.EngineCore.__init__ = counted_init
 
     sys.meta_path.insert(0, _AfterImport("vllm.v1.engine.core", _count_inits))
+
+# CPU seconds per process, written when it exits (a SIGKILLed one writes
+# nothing), with what it was and which test started it:
+#
+#     PYTHONPATH=scripts/measure KVEVICT_CPU_LOG=/tmp/cpu.log .venv/bin/python -m pytest
+#     .venv/bin/python scripts/measure/cpu_summary.py /tmp/cpu.log
+_CPU_LOG = os.environ.get("KVEVICT_CPU_LOG")
+if _CPU_LOG:
+    import atexit
+    import json
+
+    _TEST_AT_START = os.environ.get("PYTEST_CURRENT_TEST", "")
+
+    def _write_cpu():
+        t = os.times()
+        with open(_CPU_LOG, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "cpu": t.user + t.system,
+                                "argv": sys.argv[:4], "test": _TEST_AT_START}) + "\n")
+
+    atexit.register(_write_cpu)
