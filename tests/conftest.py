@@ -43,8 +43,7 @@ from vllm_kvevict.eval.server import kv_pool_bytes, native_dtype
 # nearly twice the work of one 2-thread process.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
-_CPUS = sorted(os.sched_getaffinity(0))
-WORKER_CPUS = _CPUS[WORKER::WORKERS] if WORKERS > 1 else _CPUS
+WORKER_CPUS = sorted(os.sched_getaffinity(0))[WORKER::WORKERS]
 os.environ["OMP_NUM_THREADS"] = str(len(WORKER_CPUS))
 if WORKERS > 1:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, WORKER_CPUS))

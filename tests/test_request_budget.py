@@ -41,6 +41,16 @@ def _run(llm, extra_args=None):
     return probe, [o.outputs[0].token_ids for o in outs]
 
 
+def _refuse(llm, extra, match=None):
+    """A 4-token request with `extra_args=extra`, which vLLM's own checks refuse."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match=match):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, extra_args=extra),
+                     use_tqdm=False)
+
+
 def _samples():
     return {(s.name, tuple(s.labels.items())): s.value
             for m in EvictionCollector().collect() for s in m.samples}
@@ -82,13 +92,8 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize("extra, match", BAD_REQUESTS)
 def test_bad_request_budget_is_refused_and_holds_nothing(llm, at_64, extra, match):
     """`at_64` is taken before the first refusal: the reference of the last test."""
-    from vllm import SamplingParams
-    from vllm.exceptions import VLLMValidationError  # what vLLM's own checks raise
-
     probe = attach(llm)
-    with pytest.raises(VLLMValidationError, match=match):
-        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, extra_args=extra),
-                     use_tqdm=False)
+    _refuse(llm, extra, match)
     assert probe.used_blocks() == 0  # nothing left behind in vLLM's pool
 
 
@@ -97,13 +102,8 @@ def test_engine_serves_on_after_every_refused_request(llm, at_64):
     engine produces exactly the tokens it produced before them and its pool ends
     empty: a refusal that changed any state would show here (one check for the
     five refusals: each such run is 4 x 200 tokens)."""
-    from vllm import SamplingParams
-    from vllm.exceptions import VLLMValidationError
-
-    for extra, _ in BAD_REQUESTS:  # again, so this test stands alone too
-        with pytest.raises(VLLMValidationError):
-            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, extra_args=extra),
-                         use_tqdm=False)
+    for extra, match in BAD_REQUESTS:  # again, so this test stands alone too
+        _refuse(llm, extra, match)
     probe, after = _run(llm, {"kv_budget": 64})
     assert after == at_64  # the engine serves on, same tokens
     assert probe.used_blocks() == 0  # nothing left behind in vLLM's pool

@@ -10,12 +10,12 @@ import sys
 
 def kind(row: dict) -> str:
     argv = " ".join(row["argv"])
-    if "pytest" in argv:
-        return "pytest process (in-process engines, references)"
+    if row.get("pytest"):  # the pytest process or an xdist worker (argv `-c`)
+        return "pytest / xdist workers (in-process engines, references)"
     if "cli/main.py serve" in argv or "vllm serve" in argv:
         return "vllm serve (API server)"
-    if argv.startswith("-c"):
-        return f"spawned child ({row['test'].split('::')[0] or 'server or engine worker'})"
+    if argv.startswith("-c"):  # multiprocessing's spawn: engine cores, workers, Ray
+        return f"spawned child ({row['test'].split('::')[0] or 'of a server or engine'})"
     return argv.split()[0].rsplit("/", 1)[-1]
 
 

@@ -96,6 +96,7 @@ if _CPU_LOG:
         t = os.times()
         with open(_CPU_LOG, "a") as f:
             f.write(json.dumps({"pid": os.getpid(), "cpu": t.user + t.system,
-                                "argv": sys.argv[:4], "test": _TEST_AT_START}) + "\n")
+                                "argv": sys.argv[:4], "test": _TEST_AT_START,
+                                "pytest": "pytest" in sys.modules}) + "\n")
 
     atexit.register(_write_cpu)
