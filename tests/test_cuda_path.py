@@ -376,8 +376,10 @@ def test_layout_requires_one_block_size(vllm_cfg):
 
 def compact_once(path, policy, dst_blocks, monkeypatch):
     """Two layers of one buffer (as vLLM allocates them), request "a" compacted
-    from 40 resident tokens in blocks [3, 7, 1] to 20; returns the buffer, the
-    scores and the kept positions."""
+    from 40 resident tokens in blocks [3, 7, 1] to 20; returns the resident K||V
+    and scores oldest first (read through the worker's slot order: the torch
+    path fills holes, the kernel compacts in order), the buffer's blocks that
+    are not destinations, and the kept positions."""
     from vllm_kvevict.integration.plans import CompactionPlan
 
     kernels(monkeypatch, path)
@@ -397,18 +399,26 @@ def compact_once(path, policy, dst_blocks, monkeypatch):
     assert len(state._stacks()) == 1  # one gather/kernel for both layers
     state._compact(CompactionPlan("a", 0, (3, 7, 1), dst_blocks, old_len=40, new_len=20,
                                   logical_len=40, recent=10))
-    scores = torch.cat([state.layers[f"l{i}"].scores for i in range(2)], dim=1)
-    return raw.float(), scores, state.kept["a"].positions
+    order = state.order["a"].long()  # (layers, H, 20) slot of each token, oldest first
+    dst = torch.tensor(dst_blocks)
+    kv, scores = [], []
+    for i in range(2):
+        slots = (dst[:, None] * BS + torch.arange(BS)).flatten()[order[i]]  # (H, 20)
+        heads = torch.arange(HKV)[:, None]
+        kv.append(raw[i * nb:(i + 1) * nb].flatten(0, 1)[slots, heads])  # (H, 20, 2D)
+        scores.append(state.layers[f"l{i}"].scores.gather(1, slots))
+    others = [b for b in range(nb) if b not in dst_blocks]
+    rest = torch.cat([raw[i * nb:(i + 1) * nb][others] for i in range(2)])
+    return torch.stack(kv).float(), torch.stack(scores), rest.float(), state.kept["a"].positions
 
 
 @pytest.mark.parametrize("policy", ["h2o", "snapkv"])
 @pytest.mark.parametrize("dst_blocks", [(3, 7), (3, 10)])  # in place; private copy of block 7
 def test_worker_compaction_triton_equals_torch(policy, dst_blocks, monkeypatch):
-    kv_t, scores_t, kept_t = compact_once("torch", policy, dst_blocks, monkeypatch)
-    kv_k, scores_k, kept_k = compact_once("triton", policy, dst_blocks, monkeypatch)
+    kv_t, scores_t, rest_t, kept_t = compact_once("torch", policy, dst_blocks, monkeypatch)
+    kv_k, scores_k, rest_k, kept_k = compact_once("triton", policy, dst_blocks, monkeypatch)
     assert torch.equal(kept_t, kept_k)
-    assert torch.equal(kv_t, kv_k)
-    slots = [b * BS + o for b in dst_blocks for o in range(BS)][:20]
-    for layer in range(2):  # moved scores; other slots keep theirs
-        cols = torch.tensor(slots) + layer * 12 * BS
-        assert torch.equal(scores_t[:, cols], scores_k[:, cols])
+    assert torch.equal(kv_t, kv_k)  # the same tokens, oldest first
+    assert torch.equal(rest_t, rest_k)  # blocks that are no destination: untouched by both
+    if policy == "h2o":  # scores moved with their tokens
+        assert torch.equal(scores_t, scores_k)

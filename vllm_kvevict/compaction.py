@@ -1,10 +1,20 @@
-"""The one compaction path: move each head's kept tokens to a request's first slots.
+"""Compaction: bring each head's kept tokens into a request's first slots.
 
-vLLM-free; works through a layout adapter (`KVLayout` for the CPU cache,
-`NHDLayout` for FlashAttention's), so every backend moves tokens, and the
-scores that travel with them, the same way. Rows are batched: the worker
-compacts one request in every layer at once when the layers' caches are
-slices of one buffer (row l = layer l, blocks offset by l * num_blocks).
+Two ways, both vLLM-free and through a layout adapter (`KVLayout` for the CPU
+cache, `NHDLayout` for FlashAttention's), so every backend moves tokens, and
+the scores that travel with them, the same way:
+
+  fill_holes  (the worker's path) moves only the kept tokens that lie past the
+              new length into the slots evicted below it: O(evicted) tokens
+              move, and slots no longer hold tokens in logical order. It
+              returns where each kept token now lives, and the worker keeps
+              that slot order per request (`WorkerEviction.order`).
+  compact     moves every kept token, in order, to slots [0, new_len):
+              O(kept). The reference for fill_holes and for the Triton kernel.
+
+Rows are batched: the worker compacts one request in every layer at once when
+the layers' caches are slices of one buffer (row l = layer l, blocks offset by
+l * num_blocks).
 """
 
 from __future__ import annotations
@@ -65,3 +75,72 @@ def move_scores(scores: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.
         old = scores[:, src_slots.to(dev)].transpose(0, 1)
     moved = old.gather(2, keep.to(dev))
     scores[:, dst_slots.to(dev)] = moved.transpose(0, 1)
+
+
+def hole_moves(keep: torch.Tensor, old_len: int) -> tuple[torch.Tensor, ...]:
+    """The moves that fill the holes: keep (R, new_len) kept indices (distinct per
+    row, any order) into old slots [0, old_len) -> (row, src, dst), each (M,)
+    int64: the kept tokens at slots >= new_len go to the dropped slots < new_len,
+    paired in ascending order within each row. M <= R * (old_len - new_len).
+
+    Both lists come out of nonzero() in row-major order, and each row has as many
+    holes as movers (it keeps new_len tokens), so they pair up row by row."""
+    r, new_len = keep.shape
+    kept = torch.zeros(r, old_len, dtype=torch.bool, device=keep.device)
+    kept.scatter_(1, keep, True)
+    holes = (~kept[:, :new_len]).nonzero()
+    movers = kept[:, new_len:].nonzero()
+    return holes[:, 0], movers[:, 1] + new_len, holes[:, 1]
+
+
+def fill_holes(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               src_blocks: torch.Tensor, dst_blocks: torch.Tensor, keep: torch.Tensor,
+               old_len: int, scores: torch.Tensor | None = None) -> torch.Tensor:
+    """Keep row b's tokens `keep[b, h]` in slots [0, new_len) of `dst_blocks[b]`,
+    moving only those that lie at or past new_len. Returns (B, H, new_len) int64:
+    the slot (0..new_len-1) where each kept token now is.
+
+    src_blocks: (B, n_src) blocks holding the old_len old tokens of each row
+    dst_blocks: (B, n_dst) n_dst = ceil(new_len / BS); dst[b, j] == src[b, j]
+                except private copies of shared blocks (copy-on-write): those
+                are first copied whole from src[b, j], then holes are filled
+    keep:       (B, H, new_len) int64 kept token indices into the old row
+    scores:     (H, S) float32 per-slot scores to move with the tokens: the
+                score of (block, offset) is column block * BS + offset (a
+                stack's rows name their blocks already offset by layer)
+
+    Everything moved is read before anything is written.
+    """
+    b, h, new_len = keep.shape
+    bs = layout.block_size
+    dev = key_cache.device
+    src_blocks, dst_blocks = src_blocks.to(dev), dst_blocks.to(dev)
+    keep = keep.to(dev)
+    row, src, dst = hole_moves(keep.reshape(b * h, new_len), old_len)
+    r_b, r_h = row // h, row % h
+    src_blk, src_off = src_blocks[r_b, src // bs], src % bs
+    dst_blk, dst_off = dst_blocks[r_b, dst // bs], dst % bs
+    copied = (dst_blocks != src_blocks[:, : dst_blocks.shape[1]]).nonzero(as_tuple=True)
+    whole = None
+    if copied[0].numel():  # private copies: (C, 1) blocks, read whole
+        from_blk, to_blk = src_blocks[copied][:, None], dst_blocks[copied][:, None]
+        whole = (layout.gather_keys(key_cache, from_blk, 1),
+                 layout.gather_values(value_cache, from_blk, 1))
+        if scores is not None:
+            cols = torch.arange(bs, device=dev)
+            from_cols, to_cols = from_blk * bs + cols, to_blk * bs + cols  # (C, BS)
+            whole_scores = scores[:, from_cols.flatten()]
+    moved = layout.read_tokens(key_cache, value_cache, src_blk, src_off, heads=r_h)
+    if scores is not None:
+        moved_scores = scores[r_h, src_blk * bs + src_off]
+    if whole is not None:
+        layout.write_blocks(key_cache, value_cache, to_blk, *whole)
+        if scores is not None:
+            scores[:, to_cols.flatten()] = whole_scores
+    layout.write_tokens(key_cache, value_cache, dst_blk, dst_off, *moved, heads=r_h)
+    if scores is not None:
+        scores[r_h, dst_blk * bs + dst_off] = moved_scores
+    # Where each kept token is now: its own slot, unless it moved into a hole.
+    where = torch.arange(old_len, device=dev).repeat(b * h, 1)
+    where[row, src] = dst
+    return where.gather(1, keep.reshape(b * h, new_len)).view(b, h, new_len)

@@ -151,42 +151,45 @@ class KVLayout:
         return self._plain(value_cache, self.v_tiles)
 
     # -- token reads / writes --------------------------------------------
-    def _index(self, cache, tiles, m, blk, off):
-        """(tensor, index tuple, value shape) addressing the ``[H, N, D]`` elements."""
+    def _index(self, cache, tiles, m, blk, off, heads=None):
+        """(tensor, index tuple, value shape) addressing the ``[..., D]`` elements
+        of tokens (blk, off) of head ``heads`` (default: row h of ``[H, N]`` is head h)."""
         blk, off = blk.long(), off.long()
-        h = torch.arange(self.num_kv_heads).view(-1, 1).expand_as(blk)
+        h = (torch.arange(self.num_kv_heads).view(-1, 1).expand_as(blk) if heads is None
+             else heads.long())
         if tiles is not None:
             t0, d0 = tiles[0], tiles[1]
             idx = (blk, h, off // t0, off % t0)
             return self._view6(cache, tiles), idx, (*blk.shape, -1, d0)
         bs, d = self.block_size, self.head_size
         assert cache.dtype == self.dtype and cache.shape[1:] == self.k_map.shape
-        f = m[h, off]  # [H, N, D] flat positions inside the block
+        f = m[h, off]  # [..., D] flat positions inside the block
         idx = (blk.unsqueeze(-1), f // (bs * d), f // d % bs, f % d)
         return cache, idx, (*blk.shape, d)
 
     def read_tokens(self, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    block_ids: torch.Tensor, offsets: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    block_ids: torch.Tensor, offsets: torch.Tensor,
+                    heads: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``block_ids, offsets: [H, N]`` -> (k, v) ``[H, N, D]`` fresh copies (never
-        views), so callers may overwrite the source slots afterwards."""
+        views), so callers may overwrite the source slots afterwards. With
+        ``heads`` (same shape as block_ids, any shape) each token names its head."""
         out = []
         for c, t, m in ((key_cache, self.k_tiles, self.k_map),
                         (value_cache, self.v_tiles, self.v_map)):
-            src, idx, _ = self._index(c, t, m, block_ids, offsets)
+            src, idx, _ = self._index(c, t, m, block_ids, offsets, heads)
             out.append(src[idx].reshape(*block_ids.shape, self.head_size))
         return out[0], out[1]
 
     def write_tokens(self, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_ids: torch.Tensor, offsets: torch.Tensor,
-                     k: torch.Tensor, v: torch.Tensor) -> None:
-        """Inverse of ``read_tokens``: ``k, v: [H, N, D]`` into the given slots
-        (distinct per head; cast to the cache dtype). The usual move is
-        read-all-then-write, which is safe for overlapping source/destination
-        because reads return copies."""
+                     k: torch.Tensor, v: torch.Tensor, heads: torch.Tensor | None = None) -> None:
+        """Inverse of ``read_tokens``: ``k, v: [H, N, D]`` (or ``[..., D]`` with
+        ``heads``) into the given slots (distinct; cast to the cache dtype). The
+        usual move is read-all-then-write, which is safe for overlapping
+        source/destination because reads return copies."""
         for c, t, m, x in ((key_cache, self.k_tiles, self.k_map, k),
                            (value_cache, self.v_tiles, self.v_map, v)):
-            dst, idx, shape = self._index(c, t, m, block_ids, offsets)
+            dst, idx, shape = self._index(c, t, m, block_ids, offsets, heads)
             if x.untyped_storage().data_ptr() == c.untyped_storage().data_ptr():
                 x = x.clone()  # a view of the cache itself could be clobbered mid-scatter
             dst[idx] = x.to(self.dtype).reshape(shape)

