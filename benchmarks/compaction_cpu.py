@@ -1,57 +1,96 @@
-"""Cost of one compaction on the CPU path, by phase, for a long request.
+"""Cost of one compaction on the CPU path: ordered (O(kept)) vs filling holes (O(evicted)).
 
 A request of `--old` resident tokens compacted to `--new` in every layer of a
 SmolLM2-shaped cache (30 layers x 3 KV heads x 64, bf16, block 32, the `vec`
-layout the CPU backend writes), the way `WorkerEviction._compact` does it for
-h2o: gather the scores, select, `compaction.compact` (gather + write),
-`move_scores`. Needs vLLM's C++ ops (the layout is discovered from the stock
-writer). One core:
+layout the CPU backend writes), H2O-style (the top `--new` scores per head):
+
+  ordered     `compaction.compact` + `move_scores`: every kept token is
+              gathered and rewritten in order (the path before issue 19)
+  fill_holes  `compaction.fill_holes`: only the kept tokens past `--new` move,
+              into the evicted slots below it (the worker's path now)
+
+For each: tokens moved per compaction (per layer and head, summed), the bytes
+that move (K and V read and written, plus the scores), ms, and achieved GB/s;
+beside them a plain copy of the same number of bytes on the same core
+(`Tensor.copy_`), the bandwidth ceiling the issue compares with. Needs vLLM's
+C++ ops (the layout is discovered from the stock writer). One core:
 
     VLLM_CPU_OMP_THREADS_BIND=0 taskset -c 0 .venv/bin/python benchmarks/compaction_cpu.py
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
 
-from vllm_kvevict.compaction import compact, move_scores
+from vllm_kvevict.compaction import compact, fill_holes, move_scores
 from vllm_kvevict.kv_layout import KVLayout, token_slots
+
+LAYERS, HEADS, D, BS = 30, 3, 64, 32
+
+
+def _best_ms(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _copy_gbs(nbytes: int, reps: int) -> float:
+    """GB/s of Tensor.copy_ moving `nbytes` (read + write counted, as below)."""
+    src = torch.randn(max(1, nbytes // 4))
+    dst = torch.empty_like(src)
+    ms = _best_ms(lambda: dst.copy_(src), reps)
+    return 2 * src.numel() * 4 / ms / 1e6
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", type=int, default=4128)
     ap.add_argument("--new", type=int, default=4096)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    layers, nb, h, bs, d = 30, args.old // 32 + 8, 3, 32, 64
-    buf = torch.randn(layers * nb, h, bs, 2 * d).to(torch.bfloat16)  # all layers, one buffer
+    nb = args.old // BS + 8
+    buf = torch.randn(LAYERS * nb, HEADS, BS, 2 * D).to(torch.bfloat16)  # all layers, one buffer
     layout = KVLayout.for_cache(buf[:nb], "vec")
     kc, vc = layout.split(buf)
-    n_src, n_dst = -(-args.old // bs), -(-args.new // bs)
+    n_src, n_dst = -(-args.old // BS), -(-args.new // BS)
     blocks = torch.arange(n_src) + 4
-    layer = torch.arange(layers)[:, None]
+    layer = torch.arange(LAYERS)[:, None]
     src_rows = blocks[None] + layer * nb  # (L, n_src)
-    src_slots = token_slots(blocks, args.old, bs)[None] + layer * nb * bs
-    dst_slots = token_slots(blocks[:n_dst], args.new, bs)[None] + layer * nb * bs
-    all_scores = torch.rand(h, layers * nb * bs)
-    print(f"{layers} layers x {h} heads x {d}, bf16: {args.old} -> {args.new} tokens")
-    print("| select ms | compact (gather + write) ms | move scores ms | total ms |")
-    print("|---:|---:|---:|---:|")
-    for _ in range(args.reps):
-        t0 = time.perf_counter()
-        scores = all_scores[:, src_slots].transpose(0, 1)  # (L, H, old)
-        keep = scores.topk(args.new, dim=-1).indices.sort(dim=-1).values
-        t1 = time.perf_counter()
-        compact(layout, kc, vc, src_rows, src_rows[:, :n_dst], keep)
-        t2 = time.perf_counter()
-        move_scores(all_scores, src_slots, dst_slots, keep, old=scores)
-        t3 = time.perf_counter()
-        ms = [(b - a) * 1e3 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t0, t3))]
-        print("| " + " | ".join(f"{x:.1f}" for x in ms) + " |")
+    src_slots = token_slots(blocks, args.old, BS)[None] + layer * nb * BS
+    dst_slots = token_slots(blocks[:n_dst], args.new, BS)[None] + layer * nb * BS
+    all_scores = torch.rand(HEADS, LAYERS * nb * BS)
+    scores = all_scores[:, src_slots].transpose(0, 1)  # (L, H, old)
+    keep = scores.topk(args.new, dim=-1).indices  # any order: fill_holes takes it so
+    keep_sorted = keep.sort(dim=-1).values
+    per_token = 2 * D * 2 + 4  # K and V in bf16, one float32 score
+
+    def ordered():
+        compact(layout, kc, vc, src_rows, src_rows[:, :n_dst], keep_sorted)
+        move_scores(all_scores, src_slots, dst_slots, keep_sorted, old=scores)
+
+    def holes():
+        fill_holes(layout, kc, vc, src_rows, src_rows[:, :n_dst], keep, args.old, all_scores)
+
+    rows = []
+    for name, fn, moved in (("ordered", ordered, keep.numel()),
+                            ("fill_holes", holes, int((keep >= args.new).sum()))):
+        nbytes = 2 * moved * per_token  # read + write of what moves
+        ms = _best_ms(fn, args.reps)
+        rows.append((name, moved, nbytes, ms, nbytes / ms / 1e6, _copy_gbs(nbytes, args.reps)))
+    print(f"{LAYERS} layers x {HEADS} heads x {D}, bf16, block {BS}: "
+          f"{args.old} -> {args.new} tokens, median of {args.reps}, one thread")
+    print("| path | tokens moved | MB moved | ms | GB/s | copy of the same bytes GB/s | share |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, moved, nbytes, ms, gbs, copy in rows:
+        print(f"| {name} | {moved:,} | {nbytes / 1e6:.2f} | {ms:.2f} | {gbs:.2f} | "
+              f"{copy:.1f} | {gbs / copy:.0%} |")
 
 
 if __name__ == "__main__":

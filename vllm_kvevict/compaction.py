@@ -140,7 +140,10 @@ def fill_holes(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
     layout.write_tokens(key_cache, value_cache, dst_blk, dst_off, *moved, heads=r_h)
     if scores is not None:
         scores[r_h, dst_blk * bs + dst_off] = moved_scores
-    # Where each kept token is now: its own slot, unless it moved into a hole.
-    where = torch.arange(old_len, device=dev).repeat(b * h, 1)
-    where[row, src] = dst
-    return where.gather(1, keep.reshape(b * h, new_len)).view(b, h, new_len)
+    # Where each kept token is now: its own slot, unless it lay past new_len and
+    # moved into a hole (a map over the tail only: O(evicted) memory too).
+    tail = torch.zeros(b * h, max(1, old_len - new_len), dtype=torch.int64, device=dev)
+    tail[row, src - new_len] = dst
+    keep = keep.reshape(b * h, new_len)
+    moved_to = tail.gather(1, (keep - new_len).clamp(min=0))
+    return torch.where(keep < new_len, keep, moved_to).view(b, h, new_len)
