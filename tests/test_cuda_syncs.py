@@ -378,15 +378,16 @@ PINNED = {
     ("h2o", "mixed", "triton"): (0, [f"{COMMON}:physical_view"] + 2 * (
         # decode rows for the score kernel: their query indices, rows, lengths
         3 * [f"{SCORES}:accumulate_scores"]
-        # the chunk, torch scorer: per-query horizons, reached (row, key) pairs
-        + 3 * [f"{SCORES}:score_queries"])),
+        # the chunk, torch scorer: per-query horizons (per tile), reached (row, key) pairs
+        + [f"{SCORES}:_column_sums"] + 2 * [f"{SCORES}:score_queries"])),
     ("snapkv", "decode", "triton"): (0, [f"{COMMON}:physical_view"]
                                      # the ring placement, once for both layers
                                      + 2 * ["vllm_kvevict/integration/cuda_backend.py:build"]),
     # The torch path (VLLM_KVEVICT_KERNELS=torch on CUDA): decode rows through
     # score_queries (query indices and rows; horizons, reached pairs).
     ("h2o", "decode", "torch"): (0, [f"{COMMON}:physical_view"] + 2 * (
-        2 * [f"{SCORES}:accumulate_scores"] + 3 * [f"{SCORES}:score_queries"])),
+        2 * [f"{SCORES}:accumulate_scores"] + [f"{SCORES}:_column_sums"]
+        + 2 * [f"{SCORES}:score_queries"])),
 }
 
 
