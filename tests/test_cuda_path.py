@@ -393,6 +393,7 @@ def compact_once(path, policy, dst_blocks, monkeypatch):
     make_layout = NHDLayout.for_cache
     for i in range(2):
         lc = state.layer(f"l{i}", raw[i * nb:(i + 1) * nb].permute(0, 2, 1, 3), make_layout)
+        assert lc.scores.numel() == (0 if policy == "snapkv" else HKV * nb * BS)  # h2o's only
         lc.scores.copy_(torch.rand(lc.scores.shape, generator=g))
     state.runner = SimpleNamespace(requests={"a": SimpleNamespace(block_ids=[[3, 7, 1]])},
                                    input_batch=SimpleNamespace(req_id_to_index={}))
@@ -406,10 +407,12 @@ def compact_once(path, policy, dst_blocks, monkeypatch):
         slots = (dst[:, None] * BS + torch.arange(BS)).flatten()[order[i]]  # (H, 20)
         heads = torch.arange(HKV)[:, None]
         kv.append(raw[i * nb:(i + 1) * nb].flatten(0, 1)[slots, heads])  # (H, 20, 2D)
-        scores.append(state.layers[f"l{i}"].scores.gather(1, slots))
+        if policy == "h2o":
+            scores.append(state.layers[f"l{i}"].scores.gather(1, slots))
     others = [b for b in range(nb) if b not in dst_blocks]
     rest = torch.cat([raw[i * nb:(i + 1) * nb][others] for i in range(2)])
-    return torch.stack(kv).float(), torch.stack(scores), rest.float(), state.kept["a"].positions
+    return (torch.stack(kv).float(), scores and torch.stack(scores), rest.float(),
+            state.kept["a"].positions)
 
 
 @pytest.mark.parametrize("policy", ["h2o", "snapkv"])

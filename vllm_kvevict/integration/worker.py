@@ -3,7 +3,8 @@
 One `WorkerEviction` per worker process (one model runner per process in vLLM
 V1). It is created by the first attention backend that sees eviction enabled.
 
-Per layer it keeps a score buffer beside the KV cache:
+Per layer it keeps a score buffer beside the KV cache (H2O only; the other
+policies' buffers are empty):
 
     scores[layer]: (num_kv_heads, num_blocks * block_size) float32
                    accumulated attention received by the token in each slot
@@ -38,7 +39,7 @@ from vllm_kvevict.policies import make_policy
 class LayerCache:
     kv_cache: torch.Tensor  # the backend's layer cache, e.g. CPU (NB, H, BS, 2 * D)
     layout: Any  # KVLayout (CPU) or NHDLayout (FlashAttention): split/read/write/gather
-    scores: torch.Tensor  # (H, num_blocks * BS) float32
+    scores: torch.Tensor  # (H, num_blocks * BS) float32; (H, 0) without needs_scores
 
 
 @dataclass
@@ -129,7 +130,9 @@ class WorkerEviction:
             # vLLM may change it after model load): trust the cache.
             self.block_size = layout.block_size
             key_cache, _ = layout.split(kv_cache)
-            slots = key_cache.shape[0] * layout.block_size
+            # Only a policy that accumulates attention per slot (h2o) gets a
+            # score buffer; the others hold an empty one (no memory, same code).
+            slots = key_cache.shape[0] * layout.block_size if self.policy.needs_scores else 0
             scores = torch.zeros(layout.num_kv_heads, slots, dtype=torch.float32,
                                  device=kv_cache.device)
             lc = LayerCache(kv_cache, layout, scores)
@@ -289,8 +292,10 @@ class WorkerEviction:
                     st.layout.gather_values(vc, src_rows, src_rows.shape[1])))
             if self.policy.window:
                 scores = self._window_scores(plan, st, keep_recent, *kv)
-            else:
+            elif self.policy.needs_scores:
                 scores = _by_age(st.scores[:, src_slots].transpose(0, 1), rows)  # (L, H, old_len)
+            else:  # streaming: the kept set depends on age only
+                scores = torch.zeros(st.num_layers, st.layout.num_kv_heads, plan.old_len)
             num_layers, h, _ = scores.shape
             keep = self.policy.select(scores.reshape(num_layers * h, -1), plan.new_len,
                                       keep_recent).view(num_layers, h, plan.new_len)
