@@ -190,3 +190,31 @@ def test_replay_matches_driving_the_pool_and_rejects_unknown_events():
         HostKVPool(0)
     with pytest.raises(ValueError):
         HostKVPool(1, "random")
+
+
+def test_counter_victim_equals_a_scan_of_the_pool_on_a_random_trace():
+    """The heap's victim is, at every eviction, the minimum (count, insertion)
+    of a full scan (the rule as the paper states it), through hits, halvings,
+    frees and re-insertions of the same key."""
+    import random
+
+    rng = random.Random(5)
+    policy = CounterPolicy(bits=3)  # saturates at 7: many halvings
+    resident: set = set()
+    for _ in range(5000):
+        op = rng.random()
+        key = ("r", 0, rng.randrange(40))
+        if op < 0.45 and key in resident:
+            policy.hit(key)
+        elif op < 0.55 and key in resident:
+            policy.removed(key)
+            resident.discard(key)
+        elif key not in resident:
+            policy.inserted(key)
+            resident.add(key)
+        if resident and rng.random() < 0.3:
+            want = min(resident, key=lambda k: (policy.count[k], policy._seq[k]))
+            assert policy.victim() == want
+            policy.removed(want)
+            resident.discard(want)
+    assert policy.halvings > 10

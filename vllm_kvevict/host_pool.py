@@ -29,6 +29,7 @@ Pure Python + torch, no vLLM import.
 """
 from __future__ import annotations
 
+import heapq
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
@@ -93,7 +94,12 @@ class LRUPolicy(FIFOPolicy):
 
 class CounterPolicy(VictimPolicy):
     """+1 per prefetch hit; all halved when one saturates at ``2**bits - 1``;
-    evict the lowest (ties: oldest insertion)."""
+    evict the lowest (ties: oldest insertion).
+
+    The victim comes from a heap of (count, insertion, key) entries in
+    O(log n) amortised, not a scan of the pool per eviction: a hit pushes the
+    key's new entry and leaves the old one stale (skipped when it surfaces), a
+    halving (at most once per ``2**bits - 1`` hits) rebuilds the heap."""
 
     name = "counter"
 
@@ -104,12 +110,21 @@ class CounterPolicy(VictimPolicy):
         self.count: dict = {}
         self._seq: dict = {}
         self._next = 0
+        self._heap: list = []  # (count, seq, key); stale where count/seq disagree
         self.halvings = 0
+
+    def _push(self, key) -> None:
+        heapq.heappush(self._heap, (self.count[key], self._seq[key], key))
+
+    def _rebuild(self) -> None:
+        self._heap = [(c, self._seq[k], k) for k, c in self.count.items()]
+        heapq.heapify(self._heap)
 
     def inserted(self, key):
         self.count[key] = 0
         self._seq[key] = self._next
         self._next += 1
+        self._push(key)
 
     def hit(self, key):
         c = self.count[key] + 1
@@ -118,14 +133,23 @@ class CounterPolicy(VictimPolicy):
             for k in self.count:
                 self.count[k] >>= 1
             self.halvings += 1
+            self._rebuild()
+        else:
+            self._push(key)
+            if len(self._heap) > 2 * len(self.count) + 64:  # bound the stale entries
+                self._rebuild()
 
     def removed(self, key):
         del self.count[key]
         del self._seq[key]
 
     def victim(self):
-        count, seq = self.count, self._seq
-        return min(count, key=lambda k: (count[k], seq[k]))
+        heap, count, seq = self._heap, self.count, self._seq
+        while True:
+            c, s, key = heap[0]
+            if count.get(key) == c and seq.get(key) == s:
+                return key
+            heapq.heappop(heap)  # stale: hit since, or removed
 
 
 POLICIES = {"counter": CounterPolicy, "lru": LRUPolicy, "fifo": FIFOPolicy}
