@@ -2,12 +2,13 @@
 
 A policy sees one layer of one request at a time:
 
-    scores: (num_kv_heads, n)   float, accumulated importance of resident slot j
-    returns (num_kv_heads, keep) int64, kept slot indices, ascending per head
+    scores: (num_kv_heads, n)   float, importance of the j-th oldest resident token
+    returns (num_kv_heads, keep) int64, kept indices j, ascending per head
 
-Slots are in logical order within each head (compaction preserves order), so
-"the last r slots" are the r most recent tokens and "the first s slots" the
-oldest. Every head keeps the same count, which is what lets the stock paged
+The worker hands each head's tokens oldest first (after a compaction that
+filled holes, through the request's slot order), so "the last r" are the r most
+recent tokens and "the first s" the oldest; the indices returned are positions
+in that order. Every head keeps the same count, which is what lets the stock paged
 attention kernels read the compacted cache unchanged.
 """
 
