@@ -42,20 +42,17 @@ CHUNK = 4  # AnDPro section 3.4 / Algorithm 1 chunk size
 _TILE_ELEMENTS = 1 << 21
 
 
-def window_attention(q: torch.Tensor, k: torch.Tensor, scale: float,
-                     normalise: bool = True) -> torch.Tensor:
+def window_attention(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     """(B, w, H_q, D), (B, H, n, D) -> (B, H, G, w, n) float32 probabilities,
-    causal: query t (the token at resident index n - w + t) sees [0, n - w + t].
-    normalise=False returns (exp(logits - row max), 1 / row sums) instead."""
+    causal: query t (the token at resident index n - w + t) sees [0, n - w + t]."""
     b, w, hq, d = q.shape
     h, n = k.shape[1], k.shape[2]
     qg = q.to(torch.float32).view(b, w, h, hq // h, d).permute(0, 2, 3, 1, 4)
-    e = torch.matmul(qg * scale, k.to(torch.float32).transpose(-1, -2)[:, :, None])
+    logits = torch.matmul(qg * scale, k.to(torch.float32).transpose(-1, -2)[:, :, None])
     future = torch.arange(n, device=q.device) > (n - w + torch.arange(w, device=q.device))[:, None]
-    e.masked_fill_(future, float("-inf"))
-    e.sub_(e.amax(dim=-1, keepdim=True)).exp_()
-    inv = e.sum(dim=-1, keepdim=True).reciprocal_()
-    return e.mul_(inv) if normalise else (e, inv)
+    # softmax, not exp by hand: torch's exp slows down ~10x on the denormals
+    # that far-below-max logits produce; the softmax kernel does not.
+    return logits.masked_fill_(future, float("-inf")).softmax(dim=-1)
 
 
 def raw_scores(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -71,22 +68,19 @@ def raw_scores_torch(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                      scale: float) -> torch.Tensor:
     """The plain-torch `raw_scores`, tiled over B (the Triton kernel's reference).
 
-    Both sums over (g, t) are matrix products rather than elementwise passes:
-    snapkv's column sums of A are (1/s)^T E (E = exp(logits - row max), s its
-    row sums), and andpro's sum_t a[t, i] <y_t, v_i> = <(A^T Y)_i, v_i>."""
+    AnDPro's sum over (g, t) is a matrix product rather than an elementwise
+    pass: sum_t a[t, i] <y_t, v_i> = <(A^T Y)_i, v_i> (no (G*w, n) projection
+    matrix)."""
     b, w, hq, _ = q.shape
     h, n = k.shape[1], k.shape[2]
     out = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
     tile = max(1, _TILE_ELEMENTS // max(1, hq * w * n))
     for b0 in range(0, b, tile):
         sl = slice(b0, b0 + tile)
-        bt = out[sl].shape[0]
+        a = window_attention(q[sl], k[sl], scale).flatten(2, 3)  # (b, H, G*w, n)
         if kind == "snapkv":
-            e, inv = window_attention(q[sl], k[sl], scale, normalise=False)  # (b, H, G, w, n)
-            e, inv = e.flatten(2, 3), inv.flatten(2, 3)  # (b, H, G*w, n), (b, H, G*w, 1)
-            out[sl] = torch.matmul(inv.transpose(-1, -2), e).view(bt, h, n)
+            out[sl] = a.sum(dim=2)
         elif kind == "andpro":
-            a = window_attention(q[sl], k[sl], scale).flatten(2, 3)  # (b, H, G*w, n)
             vf = v[sl].to(torch.float32)  # (b, H, n, D)
             y = torch.matmul(a, vf)  # (b, H, G*w, D) pre-eviction outputs
             out[sl] = (torch.matmul(a.transpose(-1, -2), y) * vf).sum(dim=-1)
