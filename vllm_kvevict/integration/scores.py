@@ -26,7 +26,7 @@ from vllm_kvevict.kernels import triton_module, upload, use_triton
 from vllm_kvevict.kv_layout import token_slots
 
 # Bound the (R, H, T*G, keys) float32 logits of one tile to about 8 MB: the
-# passes over a tile (exp, row sums, the weighted column sum) then run in cache
+# passes over a tile (mask, softmax, the weighted column sum) then run in cache
 # (measured on this 2-core EPYC: 64 MB tiles spent most of their time in DRAM).
 _TILE_ELEMENTS = 1 << 21
 

@@ -157,8 +157,7 @@ class WorkerEviction:
         self.unscored.difference_update(scheduler_output.finished_req_ids)
         for req_id in (*step.released, *scheduler_output.finished_req_ids):
             self.order.pop(req_id, None)  # its blocks are gone (or refilled in order)
-        if self.host is not None:  # both tiers go together
-            for req_id in (*step.released, *scheduler_output.finished_req_ids):
+            if self.host is not None:  # both tiers go together
                 self.host.free(req_id)
         self.unscored.update(step.unscored)
         self.decode_log.flush([p.req_id for p in step.plans], self.layers, self._block_ids)
@@ -345,7 +344,6 @@ class WorkerEviction:
         Without a window (nothing logged, e.g. a prompt served from elsewhere)
         every older token scores 0: the first and the recent tokens are kept."""
         win = self.query_window.window(plan.req_id, st.names, plan.logical_len)
-        k, v = k[:, :, : plan.old_len], v[:, :, : plan.old_len]
         if win is None:
             self.num_windowless += 1
             scores = torch.zeros(k.shape[:3], device=k.device)
