@@ -25,8 +25,9 @@ import time
 
 import torch
 
-from vllm_kvevict.compaction import compact, fill_holes, move_scores
-from vllm_kvevict.kv_layout import KVLayout, token_slots
+from vllm_kvevict.core.compaction import compact, fill_holes, move_scores
+from vllm_kvevict.core.cpu_layout import token_slots
+from vllm_kvevict.integration.cpu_backend import layout_for_cache
 
 LAYERS, HEADS, D, BS = 30, 3, 64, 32
 
@@ -57,7 +58,7 @@ def main(argv=None):
     torch.set_num_threads(1)
     nb = args.old // BS + 8
     buf = torch.randn(LAYERS * nb, HEADS, BS, 2 * D).to(torch.bfloat16)  # all layers, one buffer
-    layout = KVLayout.for_cache(buf[:nb], "vec")
+    layout = layout_for_cache(buf[:nb], "vec")
     kc, vc = layout.split(buf)
     n_src, n_dst = -(-args.old // BS), -(-args.new // BS)
     blocks = torch.arange(n_src) + 4

@@ -49,9 +49,9 @@ DOCS = ("austen_emma", "austen_persuasion", "austen_prideprejudice", "austen_man
 
 
 def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
-    from vllm_kvevict import skewing
+    from vllm_kvevict import calibrate
 
-    return [skewing.calibration_ids(tokenizer, DOCS[i % len(DOCS)], 100 + i, length)[0].tolist()
+    return [calibrate.calibration_ids(tokenizer, DOCS[i % len(DOCS)], 100 + i, length)[0].tolist()
             for i in range(n)]
 
 

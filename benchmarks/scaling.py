@@ -94,10 +94,16 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from throughput import (RESULT_MARKER, _fmt, git_head, kv_bytes_per_token, make_prompts,
-                        plugin_fingerprint)
+from throughput import (
+    RESULT_MARKER,
+    _fmt,
+    git_head,
+    kv_bytes_per_token,
+    make_prompts,
+    plugin_fingerprint,
+)
 
-from vllm_kvevict.config import POLICIES
+from vllm_kvevict.core.config import POLICIES
 from vllm_kvevict.integration.probe import scheduler_of
 
 READY_MARKER = "@@KVEVICT_READY@@ "

@@ -45,7 +45,7 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_kvevict.config import POLICIES
+from vllm_kvevict.core.config import POLICIES
 from vllm_kvevict.integration.probe import BlockProbe, attach
 
 RESULT_MARKER = "@@KVEVICT_RESULT@@ "
@@ -606,7 +606,7 @@ def main(argv=None) -> int:
               f"pool {r0['pool_tokens']} tokens = {blocks} blocks "
               f"({blocks * r0['block_size'] * bpt} bytes), recent {args.recent}\n")
         print(table_constrained(res_c))
-        from vllm_kvevict.planner import max_blocks_per_request
+        from vllm_kvevict.core.planner import max_blocks_per_request
 
         print("\n" + notes(res_c))
         bounds = sorted({(r["budget"], max_blocks_per_request(r["budget"], r["block_size"]))

@@ -8,7 +8,7 @@ HOW: add an argument group; fold the parsed values into
      the settings (and the budget against the block size) in
      create_engine_config, so a bad value stops startup with the flag's name.
      On CUDA with eviction on, request `--attention-backend CUSTOM` (our
-     FlashAttention wrapper, see integration/select.py). With offload on, set
+     FlashAttention wrapper, see integration/backend_select.py). With offload on, set
      kv_transfer_config to our KV connector (integration/offload_connector.py,
      whose per-layer hooks carry InfiniGen's prefetch) and enforce_eager (the
      connector reads attention inputs through a Python forward hook), and
@@ -26,7 +26,7 @@ HOW: add an argument group; fold the parsed values into
      vLLM 0.32 removed it. `disable_cascade_attn` is a deprecated no-op
      (default True; setting it only warns), the scheduler's
      num_common_prefix_blocks is always empty, and FlashAttention's builder,
-     which our CUDA backend wraps (integration/select.py -> CUSTOM ->
+     which our CUDA backend wraps (integration/backend_select.py -> CUSTOM ->
      cuda_backend.py), has no cascade path. So nothing to set or refuse;
      tests/test_unsupported_settings.py fails if an upgrade brings it back.
 UPSTREAM: a plugin API to register engine CLI arguments.
@@ -36,8 +36,14 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_kvevict.config import (FLAGS, POLICIES, VICTIMS, EvictionConfig, EvictionConfigError,
-                                  ModuleLimits)
+from vllm_kvevict.core.config import (
+    FLAGS,
+    POLICIES,
+    VICTIMS,
+    EvictionConfig,
+    EvictionConfigError,
+    ModuleLimits,
+)
 
 from . import mark_patched
 
@@ -153,7 +159,7 @@ def apply() -> None:
         return engine_args
 
     def create_engine_config(self, *args, **kwargs):
-        from vllm_kvevict.integration.select import select_attention_backend
+        from vllm_kvevict.integration.backend_select import select_attention_backend
 
         cfg = EvictionConfig.from_dict(self.additional_config or {})
         ModuleLimits.from_dict(self.additional_config)  # a bad value stops startup

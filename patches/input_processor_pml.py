@@ -31,9 +31,9 @@ def apply() -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
+    from vllm_kvevict.core.pml import OPEN_RE, PMLError
+    from vllm_kvevict.core.prompt_layout import salt_key
     from vllm_kvevict.integration.prompt_modules import check_request, expand
-    from vllm_kvevict.pml import OPEN_RE, PMLError
-    from vllm_kvevict.prompt_layout import salt_key
 
     salt_key()  # in the main process, before it spawns API servers
 

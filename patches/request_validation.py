@@ -22,7 +22,7 @@ def apply() -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
-    from vllm_kvevict.config import EvictionConfig, EvictionConfigError
+    from vllm_kvevict.core.config import EvictionConfig, EvictionConfigError
 
     def _validate_params(self, params, *args, **kwargs):
         result = _validate_params.__kvevict_original__(self, params, *args, **kwargs)

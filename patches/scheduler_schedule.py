@@ -8,7 +8,7 @@ HOW: after the stock schedule(), drain the plans of every
      with the output to mp / Ray workers). Plans of requests that were freed
      in the same step (preempted, aborted) were already dropped by the manager.
      New requests that can never exceed the budget are listed as unscored.
-     Also writes the eviction counters for /metrics (integration/metrics.py).
+     Also writes the eviction counters for /metrics (core/metrics.py).
      Before the stock schedule(), hands each manager the scheduler's requests
      (per-request budgets) and chunk size (prefill room, admission cap).
 UPSTREAM: a per-manager "worker metadata" hook on SchedulerOutput, or KV
@@ -24,9 +24,9 @@ from . import mark_patched
 def apply() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_kvevict.integration.plans import STEP_ATTR, EvictionStep
+    from vllm_kvevict.core.planner import never_compacts
+    from vllm_kvevict.core.plans import STEP_ATTR, EvictionStep
     from vllm_kvevict.integration.spec import EvictableAttentionManager
-    from vllm_kvevict.planner import never_compacts
 
     def schedule(self, *args, **kwargs):
         managers = [m for m in self.kv_cache_manager.coordinator.single_type_managers

@@ -5,9 +5,10 @@ import pytest
 
 @pytest.fixture(scope="module")
 def parser():
-    import vllm_kvevict
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    import vllm_kvevict
 
     vllm_kvevict.register()  # what the entry point does in every vLLM process
     return EngineArgs.add_cli_args(FlexibleArgumentParser())
@@ -32,7 +33,7 @@ def test_unset_flags_leave_additional_config_alone(parser):
 
 
 def test_bad_values_fail_at_parse_time_naming_the_flag(parser):
-    from vllm_kvevict.config import EvictionConfigError
+    from vllm_kvevict.core.config import EvictionConfigError
 
     with pytest.raises(EvictionConfigError, match="--kv-budget"):
         _engine_args(parser, "--kv-eviction", "h2o", "--kv-budget", "lots")

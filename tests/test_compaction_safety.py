@@ -18,12 +18,12 @@ import pytest
 import torch
 from vllm.v1.core.block_pool import BlockPool
 
-from vllm_kvevict.compaction import compact
-from vllm_kvevict.config import EvictionConfig
+from vllm_kvevict.core.compaction import compact
+from vllm_kvevict.core.config import EvictionConfig
+from vllm_kvevict.core.nhd_layout import NHDLayout
+from vllm_kvevict.core.plans import STEP_ATTR, CompactionPlan, EvictionStep
 from vllm_kvevict.integration import worker
-from vllm_kvevict.integration.plans import STEP_ATTR, CompactionPlan, EvictionStep
 from vllm_kvevict.integration.spec import EvictableAttentionManager, EvictableAttentionSpec
-from vllm_kvevict.nhd_layout import NHDLayout
 
 BS, H, D = 16, 2, 32
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from vllm_kvevict.config import EvictionConfig, EvictionConfigError
+from vllm_kvevict.core.config import EvictionConfig, EvictionConfigError
 
 
 @pytest.mark.parametrize("raw, flag", [

@@ -14,25 +14,24 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 import vllm.v1.attention.backends.flash_attn as fa
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-from vllm_kvevict.config import EvictionConfig, EvictionConfigError
+from vllm_kvevict.core.config import EvictionConfig, EvictionConfigError
+from vllm_kvevict.core.nhd_layout import NHDLayout
 from vllm_kvevict.integration import worker
 from vllm_kvevict.integration.attention_common import physical_view
+from vllm_kvevict.integration.backend_select import (
+    CUDA_BACKEND,
+    register_cuda_backend,
+    select_attention_backend,
+)
 from vllm_kvevict.integration.cuda_backend import (
     EvictingFlashAttentionBackend,
     EvictingFlashAttentionImpl,
     EvictingFlashAttentionMetadataBuilder,
 )
-from vllm_kvevict.integration.select import (
-    CUDA_BACKEND,
-    register_cuda_backend,
-    select_attention_backend,
-)
-from vllm_kvevict.nhd_layout import NHDLayout
 
 BS, HQ, HKV, D = 16, 4, 2, 8
 H2O = {"kv_eviction": "h2o", "kv_budget": 64}
@@ -281,7 +280,7 @@ def reference_scores(before, kv, query, seqs, qsl, scale):
 
 
 def kernels(monkeypatch, which):
-    """Select the torch or the Triton path (`vllm_kvevict.kernels`); Triton runs
+    """Select the torch or the Triton path (`vllm_kvevict.core.kernel_dispatch`); Triton runs
     in its interpreter here (conftest), which has no bf16: the cache dtype for the path."""
     monkeypatch.setenv("VLLM_KVEVICT_KERNELS", which)
     return torch.float32 if which == "triton" else torch.bfloat16
@@ -380,7 +379,7 @@ def compact_once(path, policy, dst_blocks, monkeypatch):
     and scores oldest first (read through the worker's slot order: the torch
     path fills holes, the kernel compacts in order), the buffer's blocks that
     are not destinations, and the kept positions."""
-    from vllm_kvevict.integration.plans import CompactionPlan
+    from vllm_kvevict.core.plans import CompactionPlan
 
     kernels(monkeypatch, path)
     dtype = torch.float32  # both paths on the same data (the interpreter has no bf16)

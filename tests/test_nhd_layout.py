@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from vllm_kvevict.nhd_layout import NHDLayout
+from vllm_kvevict.core.nhd_layout import NHDLayout
 
 D, NB = 8, 10
 GRID = [(dt, h, bs, "LBNHC") for dt, h, bs in
@@ -32,7 +32,10 @@ def make_cache(dtype, h, bs, layout, seed=0):
         kv = torch.empty(2, NB, bs, h, D, dtype=dtype)
     else:
         from vllm.v1.kv_cache_interface import (
-            FullAttentionSpec, KVCacheTensor, create_kv_cache_views)
+            FullAttentionSpec,
+            KVCacheTensor,
+            create_kv_cache_views,
+        )
         from vllm.v1.kv_cache_layout import KVCacheLayout
 
         spec = FullAttentionSpec(block_size=bs, num_kv_heads=h, head_size=D, dtype=dtype)
@@ -192,10 +195,10 @@ def test_write_blocks(dtype, h, bs, layout):
 
 @pytest.mark.parametrize("dtype,h,bs,layout", GRID, ids=IDS)
 def test_compact_through_nhd_layout(dtype, h, bs, layout):
-    """The worker's one compaction path (vllm_kvevict.compaction) on this layout:
+    """The worker's one compaction path (vllm_kvevict.core.compaction) on this layout:
     per head, kept tokens and their scores packed in order into the first
     destination slots, the rest of the last destination block zeroed."""
-    from vllm_kvevict.compaction import compact, move_scores
+    from vllm_kvevict.core.compaction import compact, move_scores
 
     kv = make_cache(dtype, h, bs, layout)
     lay = NHDLayout.for_cache(kv)
@@ -267,7 +270,7 @@ def test_device_agnostic():
 def test_compact_device_agnostic():
     """As the worker calls it: block ids and keep from CPU lists, cache and
     scores on the accelerator ('meta' here)."""
-    from vllm_kvevict.compaction import compact, move_scores
+    from vllm_kvevict.core.compaction import compact, move_scores
 
     kv = torch.empty(NB, 2, 16, 2 * D, dtype=torch.bfloat16, device="meta")
     lay = NHDLayout.for_cache(kv)

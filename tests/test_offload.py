@@ -1,13 +1,20 @@
-"""The host tier and InfiniGen's decode attention (vllm_kvevict/offload.py)
+"""The host tier and InfiniGen's decode attention (core/host_tier.py, core/offload.py)
 against the one-row dense reference written from the paper."""
 import math
 
 import pytest
 import torch
 
-from vllm_kvevict.offload import (HostTier, decode_attention, infinigen_decode_reference,
-                                  partial_logits, select_host_entries, speculate, Fetched)
-from vllm_kvevict.skewing import Skewing, skew_keys, skew_matrix, skew_queries
+from vllm_kvevict.core.host_tier import HostTier
+from vllm_kvevict.core.offload import (
+    Fetched,
+    decode_attention,
+    infinigen_decode_reference,
+    partial_logits,
+    select_host_entries,
+    speculate,
+)
+from vllm_kvevict.core.skewing import Skewing, skew_keys, skew_matrix, skew_queries
 
 H, G, D, BS, C = 3, 3, 16, 4, 5
 HQ = H * G
@@ -110,7 +117,7 @@ def test_prefetched_entries_change_traffic_not_output(quality):
     hits = tier.stats.speculation_hits - hits_before
     needed = tier.stats.prefetch_needed
     # Hits counted by hand: needed (row, query head, entry) that pre holds.
-    from vllm_kvevict.offload import select_entries
+    from vllm_kvevict.core.offload import select_entries
     sel = select_entries(tier, ids, 0, q, k_res, res_len, 4.0, cap, SCALE)
     expect = sum(int(e) in set(pre.sel[r, h][pre.mask[r, h]].tolist())
                  for r in range(2) for h in range(HQ) for e in sel[r, h] if e >= 0)

@@ -2,9 +2,9 @@
 
 import torch
 
-from vllm_kvevict.config import EvictionConfig
-from vllm_kvevict.planner import compaction_target
-from vllm_kvevict.policies import H2OPolicy, StreamingPolicy
+from vllm_kvevict.core.config import EvictionConfig
+from vllm_kvevict.core.planner import compaction_target
+from vllm_kvevict.core.policies import H2OPolicy, StreamingPolicy
 
 
 def test_h2o_keeps_recent_window_plus_heaviest_per_head():
@@ -49,8 +49,8 @@ def test_planner_decode_and_chunk_boundaries():
 
 
 def test_never_compacts_only_when_the_whole_request_fits_a_token_budget():
-    from vllm_kvevict.config import EvictionConfig
-    from vllm_kvevict.planner import never_compacts
+    from vllm_kvevict.core.config import EvictionConfig
+    from vllm_kvevict.core.planner import never_compacts
 
     h2o = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 256})
     assert never_compacts(h2o, 200, 56) and not never_compacts(h2o, 200, 57)

@@ -10,10 +10,10 @@ vLLM's own BlockPool (ref_cnt, free queue), never from our counters.
 import pytest
 import torch
 
+from vllm_kvevict.core.pml import parse_prompt
+from vllm_kvevict.core.prompt_layout import layout_prompt
 from vllm_kvevict.integration import prompt_modules as pm
 from vllm_kvevict.integration.probe import scheduler_of
-from vllm_kvevict.pml import parse_prompt
-from vllm_kvevict.prompt_layout import layout_prompt
 
 BS = 32
 ALICE = ("Alice lives in Paris, where she bakes bread every morning before the sun rises. "
@@ -43,12 +43,12 @@ def schema(llm):
 
 def read_kv(worker, layer: int, block_ids: list[int]):
     """(k, v) [H, N, D] of the tokens in `block_ids`, read from vLLM's paged cache."""
-    from vllm_kvevict.kv_layout import KVLayout
+    from vllm_kvevict.integration.cpu_backend import layout_for_cache
 
     ctx = worker.model_runner.vllm_config.compilation_config.static_forward_context
     attn = ctx[f"model.layers.{layer}.self_attn.attn"]
     kv = attn.kv_cache
-    layout = KVLayout.for_cache(kv, attn.isa)
+    layout = layout_for_cache(kv, attn.isa)
     heads, bs = kv.shape[1], kv.shape[2]
     slots = torch.tensor([b * bs + o for b in block_ids for o in range(bs)])
     k, v = layout.read_tokens(*layout.split(kv), (slots // bs).expand(heads, -1),
@@ -232,7 +232,7 @@ def test_union_members_are_exclusive(llm):
 
 
 def test_registration_errors(llm, schema):
-    from vllm_kvevict.pml import PMLError
+    from vllm_kvevict.core.pml import PMLError
 
     with pytest.raises(PMLError, match="already registered"):
         pm.register_schema(llm, SCHEMA)

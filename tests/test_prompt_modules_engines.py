@@ -14,7 +14,7 @@ from vllm_kvevict.integration.probe import scheduler_of
 
 
 def test_h2o_engine_refuses_modules(engines):
-    from vllm_kvevict.pml import PMLError
+    from vllm_kvevict.core.pml import PMLError
 
     llm = engines.get(**engine_settings("h2o"))
     with pytest.raises(PMLError, match="h2o"):

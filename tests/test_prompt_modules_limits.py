@@ -3,7 +3,7 @@ the flags, their parsing, and the admission rule, without an engine."""
 
 import pytest
 
-from vllm_kvevict.config import EvictionConfigError, ModuleLimits
+from vllm_kvevict.core.config import EvictionConfigError, ModuleLimits
 
 
 def test_defaults_and_parsing():
@@ -64,9 +64,10 @@ def test_the_pinned_share_limit_is_413_and_says_its_value(pinned, new):
 
 @pytest.fixture(scope="module")
 def parser():
-    import vllm_kvevict
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    import vllm_kvevict
 
     vllm_kvevict.register()
     return EngineArgs.add_cli_args(FlexibleArgumentParser())

@@ -1,14 +1,15 @@
-"""The torch scoring kernel (integration/scores.py) against a dense loop written
+"""The torch scoring kernel (core/scores.py) against a dense loop written
 from H2O's definition: each query's softmax over the keys it can see, summed over
 the query heads of each KV head, added to each key's slot."""
 
 import pytest
 import torch
-
-from vllm_kvevict.integration.scores import accumulate_scores, score_queries
-from vllm_kvevict.kv_layout import KVLayout, split_kv_cache
-
 import vllm._custom_ops as ops  # noqa: E402  (a missing vLLM fails, never skips)
+
+from vllm_kvevict.core.cpu_layout import split_kv_cache
+from vllm_kvevict.core.scores import accumulate_scores, score_queries
+from vllm_kvevict.integration.cpu_backend import discover_layout
+
 BS, D, NB = 16, 64, 24
 
 
@@ -19,7 +20,7 @@ def _paged(h, gen, dtype):
     kc, vc = split_kv_cache(kv)
     keys = torch.randn(NB * BS, h, D, generator=gen).to(dtype)
     ops.cpu_attn_reshape_and_cache(keys, keys, kc, vc, torch.arange(NB * BS), "vec")
-    return KVLayout.discover("vec", dtype, BS, D, h), kc, keys.float()
+    return discover_layout("vec", dtype, BS, D, h), kc, keys.float()
 
 
 def _dense(scores, keys, queries, visible, rows, scale):

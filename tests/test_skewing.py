@@ -1,4 +1,4 @@
-"""InfiniGen's skewing (vllm_kvevict.skewing): the weight fold for non-RoPE
+"""InfiniGen's skewing (vllm_kvevict.core.skewing): the weight fold for non-RoPE
 models on random OPT-like weights, the post-RoPE path on the real SmolLM2, the
 partial channels, the decode-time prediction helpers, and the cache."""
 import json
@@ -7,8 +7,9 @@ import shutil
 import pytest
 import torch
 
-from vllm_kvevict import skewing as sk
-
+from vllm_kvevict import calibrate
+from vllm_kvevict.core import skewing as sk
+from vllm_kvevict.core import skewing_store
 
 # ---------------------------------------------------------------------------
 # Pure tensor checks
@@ -178,15 +179,15 @@ def test_speculate_threshold_budget_and_kernel_path(monkeypatch):
 def smol(hf):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny ops: one thread is much faster on a busy box
-    model, tok = hf  # the session's SmolLM2 (conftest), what sk.load_model loads
-    ids = sk.calibration_ids(tok, "austen_persuasion", 0, 96)
+    model, tok = hf  # the session's SmolLM2 (conftest), what calibrate.load_model loads
+    ids = calibrate.calibration_ids(tok, "austen_persuasion", 0, 96)
     yield model, tok, ids
     torch.set_num_threads(threads)
 
 
 def test_collect_qk_are_the_models_post_rope_queries_and_keys(smol):
     model, _, ids = smol
-    qk = sk.collect_qk(model, ids)
+    qk = calibrate.collect_qk(model, ids)
     cfg = model.config
     assert len(qk) == cfg.num_hidden_layers
     with torch.no_grad():
@@ -203,7 +204,7 @@ def test_collect_qk_are_the_models_post_rope_queries_and_keys(smol):
 
 def test_post_rope_skewing_keeps_the_real_models_logits(smol):
     model, _, ids = smol
-    qk = sk.collect_qk(model, ids)
+    qk = calibrate.collect_qk(model, ids)
     skew = sk.skewing_from_qk(qk)
     assert skew.a.shape == (30, 3, 64, 64) and skew.cols.shape == (30, 3, 19)
     for li, (q, k) in enumerate(qk):
@@ -238,7 +239,7 @@ def test_partial_queries_and_keys_match_the_models_projection(smol):
     handles = [layers[i].self_attn.register_forward_pre_hook(hook, with_kwargs=True)
                for i in (3, 4)]
     try:
-        qk = sk.collect_qk(model, ids)
+        qk = calibrate.collect_qk(model, ids)
     finally:
         for hd in handles:
             hd.remove()
@@ -262,7 +263,7 @@ def test_partial_queries_and_keys_match_the_models_projection(smol):
 def test_load_or_compute_caches_by_model_and_config(smol, model_path, tmp_path, monkeypatch):
     model, tok, _ = smol
     kwargs = dict(n_tokens=64, doc="austen_persuasion", cache_dir=tmp_path)
-    first = sk.load_or_compute(model_path, model=model, tokenizer=tok, **kwargs)
+    first = calibrate.load_or_compute(model_path, model=model, tokenizer=tok, **kwargs)
     files = list(tmp_path.glob("*.safetensors"))
     assert len(files) == 1 and files[0].name.startswith("SmolLM2-135M-Instruct-")
     assert first.meta["rope"] == "post-rope" and first.meta["calibration_tokens"] == "64"
@@ -270,18 +271,18 @@ def test_load_or_compute_caches_by_model_and_config(smol, model_path, tmp_path, 
     def boom(*a, **k):
         raise AssertionError("recomputed although cached")
 
-    monkeypatch.setattr(sk, "compute_skewing", boom)
-    again = sk.load_or_compute(model_path, model=model, tokenizer=tok, **kwargs)
+    monkeypatch.setattr(calibrate, "compute_skewing", boom)
+    again = calibrate.load_or_compute(model_path, model=model, tokenizer=tok, **kwargs)
     assert torch.equal(again.a, first.a) and torch.equal(again.cols, first.cols)
     assert again.meta == first.meta
     with pytest.raises(AssertionError, match="recomputed"):  # other params: another entry
-        sk.load_or_compute(model_path, model=model, tokenizer=tok, fraction=0.5, **kwargs)
+        calibrate.load_or_compute(model_path, model=model, tokenizer=tok, fraction=0.5, **kwargs)
     # the key follows the config's contents, not just the directory name
     copy = tmp_path / "copy"
     copy.mkdir()
     shutil.copy(f"{model_path}/config.json", copy / "config.json")
-    key = sk.cache_key(copy, x=1)
+    key = skewing_store.cache_key(copy, x=1)
     cfg = json.loads((copy / "config.json").read_text())
     cfg["rms_norm_eps"] = 1e-6
     (copy / "config.json").write_text(json.dumps(cfg))
-    assert sk.cache_key(copy, x=1) != key and sk.cache_key(copy, x=2) != sk.cache_key(copy, x=1)
+    assert skewing_store.cache_key(copy, x=1) != key and skewing_store.cache_key(copy, x=2) != skewing_store.cache_key(copy, x=1)

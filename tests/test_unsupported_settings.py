@@ -113,7 +113,7 @@ def test_offline_llm_is_refused_too(model_path, monkeypatch, kwargs, theirs):
     from vllm import LLM
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from vllm_kvevict.config import EvictionConfigError
+    from vllm_kvevict.core.config import EvictionConfigError
 
     class Started(Exception):
         pass

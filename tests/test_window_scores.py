@@ -3,11 +3,11 @@ query ring that feeds them."""
 
 import pytest
 import torch
-
-from vllm_kvevict.integration.query_window import QueryWindow
-from vllm_kvevict.policies import make_policy
-from vllm_kvevict.window_scores import raw_scores, window_scores
 from window_reference import keep, selection_scores, token_scores
+
+from vllm_kvevict.core.policies import make_policy
+from vllm_kvevict.core.query_window import QueryWindow
+from vllm_kvevict.core.window_scores import raw_scores, window_scores
 
 
 @pytest.mark.parametrize("kind", ["snapkv", "andpro"])

@@ -9,5 +9,5 @@
 
 Kernels (`jit/`) are apart from their launchers (this folder: shape, dtype and
 stride checks); `reference.py` holds the plain-torch references. Importing this
-package imports no Triton; `vllm_kvevict.kernels` decides when to use them.
+package imports no Triton; `vllm_kvevict.core.kernel_dispatch` decides when to use them.
 """

@@ -8,7 +8,7 @@ the patches listed in `vllm_kvevict.patches`.
 
 from __future__ import annotations
 
-from vllm_kvevict.config import EvictionConfig, EvictionConfigError
+from vllm_kvevict.core.config import EvictionConfig, EvictionConfigError
 
 __all__ = ["EvictionConfig", "EvictionConfigError", "register"]
 
@@ -36,16 +36,16 @@ def register() -> None:
 
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN,
-                         "vllm_kvevict.integration.backend.EvictingCPUAttentionBackend")
+                         "vllm_kvevict.integration.cpu_backend.EvictingCPUAttentionBackend")
     elif current_platform.is_cuda():
-        from vllm_kvevict.integration.select import register_cuda_backend
+        from vllm_kvevict.integration.backend_select import register_cuda_backend
 
         register_cuda_backend()
     apply_all()
     from vllm_kvevict.integration.offload_connector import register as register_connector
 
     register_connector()  # the KV connector offload configures (--kv-swap-space)
-    from vllm_kvevict.integration.metrics import register_collector
+    from vllm_kvevict.core.metrics import register_collector
 
     register_collector()  # eviction counters on the API server's /metrics
     _registered = True

@@ -5,9 +5,9 @@
 
 MODEL is a model directory or a Hugging Face repo id. One forward pass over
 ``--tokens`` tokens of calibration text, then an SVD per layer and KV head
-(:mod:`vllm_kvevict.skewing`). The file goes where a serving engine with
+(:mod:`vllm_kvevict.core.skewing`). The file goes where a serving engine with
 ``--kv-eviction infinigen`` (or ``--kv-swap-space``) looks for it
-(:func:`vllm_kvevict.skewing.default_path`: ``$VLLM_KVEVICT_SKEWING`` or
+(:func:`vllm_kvevict.core.skewing_store.default_path`: ``$VLLM_KVEVICT_SKEWING`` or
 ``~/.cache/vllm_kvevict/skewing``, keyed by the model's config and the
 calibration), or to ``--output`` (serve with ``--kv-skewing PATH``). The last
 line printed is the file's path.
@@ -31,10 +31,105 @@ from pathlib import Path
 
 import torch
 
-from vllm_kvevict import skewing as sk
+from vllm_kvevict.core import skewing as sk
+from vllm_kvevict.core import skewing_store
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+
+# --- the Hugging Face side: queries and keys of one forward pass -----------
+
+def _attention_modules(model) -> list:
+    base = getattr(model, "model", model)
+    return [layer.self_attn for layer in base.layers]
+
+
+@torch.no_grad()
+def collect_qk(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Run ``model`` once over ``input_ids`` (1, T) and return per layer the
+    post-RoPE queries (H_q, T, D) and keys (H, T, D), float32.
+
+    Recomputed from each attention module's input (a forward pre-hook on
+    ``self_attn``: ``hidden_states`` after the input norm, and the rotary
+    ``position_embeddings``), so the model's attention itself is untouched.
+    """
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    out: list = []
+    handles = []
+
+    def hook(module, args, kwargs):
+        x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        cos, sin = kwargs["position_embeddings"]
+        d = module.head_dim
+        q = module.q_proj(x).view(*x.shape[:-1], -1, d).transpose(1, 2)
+        k = module.k_proj(x).view(*x.shape[:-1], -1, d).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        # On the CPU: a big model calibrates on a GPU, its per-layer SVDs are small.
+        out.append((q[0].float().cpu(), k[0].float().cpu()))
+
+    for m in _attention_modules(model):
+        handles.append(m.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        model(input_ids.to(model.device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return out
+
+
+def compute_skewing(model, input_ids: torch.Tensor, fraction: float = sk.DEFAULT_FRACTION,
+                    skew: bool = True, meta: dict | None = None) -> sk.Skewing:
+    """One forward pass over ``input_ids`` (1, T) -> :class:`~vllm_kvevict.core.skewing.Skewing`."""
+    return sk.skewing_from_qk(collect_qk(model, input_ids), fraction, skew, meta)
+
+
+def calibration_ids(tokenizer, doc: str, seed: int, n_tokens: int) -> torch.Tensor:
+    """(1, T) token ids of the project's perplexity passage of ``doc``
+    (:func:`vllm_kvevict.eval.instances.perplexity`)."""
+    from vllm_kvevict.eval.instances import perplexity
+
+    inst = perplexity(tokenizer, seed, [doc], n_tokens, window=n_tokens)[0]
+    return torch.tensor([tokenizer(inst["context"])["input_ids"]])
+
+
+def load_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
+               device: str = "cpu"):
+    """(model, tokenizer): the HF checkpoint (default float32) with eager attention."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
+                                                 attn_implementation="eager").to(device).eval()
+    return model, AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def load_or_compute(model_dir: str | os.PathLike, fraction: float = sk.DEFAULT_FRACTION,
+                    skew: bool = True, doc: str = sk.DEFAULT_CALIBRATION["doc"],
+                    seed: int = sk.DEFAULT_CALIBRATION["seed"],
+                    n_tokens: int = sk.DEFAULT_CALIBRATION["n_tokens"],
+                    cache_dir: str | os.PathLike | None = None, model=None,
+                    tokenizer=None, recompute: bool = False) -> sk.Skewing:
+    """The skewing of the checkpoint ``model_dir``, from the cache or computed
+    once (calibration text: the perplexity passage of ``doc``, ``n_tokens``
+    tokens) and stored. ``model`` / ``tokenizer``: already loaded ones to reuse;
+    ``recompute``: replace a cached file. Offline only (calibrate.py, the dense
+    evaluation): serving engines :func:`locate` the file instead."""
+    params = dict(fraction=fraction, skew=skew, doc=doc, seed=seed, n_tokens=n_tokens)
+    path = skewing_store.cache_path(model_dir, cache_dir, **params)
+    if path.is_file() and not recompute:
+        return sk.Skewing.load(path)
+    if model is None or tokenizer is None:
+        model, tokenizer = load_model(model_dir)
+    ids = calibration_ids(tokenizer, doc, seed, n_tokens)
+    meta = dict(params, model_dir=str(Path(model_dir).expanduser().resolve()),
+                key=skewing_store.cache_key(model_dir, **params), calibration_tokens=ids.shape[1],
+                format=sk.FORMAT_VERSION, rope="post-rope")
+    result = compute_skewing(model, ids, fraction, skew, {k: str(v) for k, v in meta.items()})
+    result.save(path)
+    return result
+
+
+# --- the command ------------------------------------------------------------
 
 def is_default(doc: str, seed: int, n_tokens: int) -> bool:
     """The calibration text a serving engine looks for without --kv-skewing."""
@@ -49,7 +144,7 @@ def calibrate(model: str, fraction: float = sk.DEFAULT_FRACTION,
               device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
     """Compute and write the skewing of ``model``; returns the file's path.
 
-    Without ``output`` the file is the cache entry (``skewing.cache_path``); one
+    Without ``output`` the file is the cache entry (``skewing_store.cache_path``); one
     already there is kept unless ``force`` (then nothing loads the model).
     ``output``: the same skewing written there too, for ``--kv-skewing``."""
     params = dict(fraction=fraction, skew=True, doc=doc, seed=seed, n_tokens=n_tokens)
@@ -57,10 +152,10 @@ def calibrate(model: str, fraction: float = sk.DEFAULT_FRACTION,
     if cached is not None and cached.is_file() and not force:
         result = sk.Skewing.load(cached) if output is not None else None
     else:
-        hf, tok = sk.load_model(model, dtype, device)  # downloads a repo id's weights
-        model_dir = sk.model_directory(model)
-        cached = sk.cache_path(model_dir, **params)
-        result = sk.load_or_compute(model_dir, model=hf, tokenizer=tok, recompute=True,
+        hf, tok = load_model(model, dtype, device)  # downloads a repo id's weights
+        model_dir = skewing_store.model_directory(model)
+        cached = skewing_store.cache_path(model_dir, **params)
+        result = load_or_compute(model_dir, model=hf, tokenizer=tok, recompute=True,
                                     **params)
     if output is None:
         return cached
@@ -72,7 +167,7 @@ def calibrate(model: str, fraction: float = sk.DEFAULT_FRACTION,
 def _cache_entry(model: str, params: dict) -> Path | None:
     """The cache file of ``model`` for ``params``; None for a repo id not downloaded yet."""
     try:
-        return sk.cache_path(sk.model_directory(model), **params)
+        return skewing_store.cache_path(skewing_store.model_directory(model), **params)
     except FileNotFoundError:
         return None
 

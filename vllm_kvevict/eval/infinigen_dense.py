@@ -8,6 +8,9 @@ tokens for every method. The methods run side by side as the rows of one
 batch (same tokens, each row its own KV policy), so the weights are read once
 per step for all of them.
 
+One file because it is one experiment, end to end: the attention function, the
+methods it compares and the report must change together to stay comparable.
+
 How attention is replaced: a custom attention function is registered with
 transformers' ``AttentionInterface`` and selected for the model; it receives
 each layer's post-RoPE queries and the layer's full key/value cache (HF's
@@ -26,10 +29,10 @@ Methods (budget B = resident past tokens besides the current one):
              tokens are gone for good. Every layer, layer 0 included.
   infinigen  layer 0 attends its full cache. Layer i >= 1: the speculated query
              is layer i-1's attention input times layer i's W_Q, RoPE'd, skewed
-             (:mod:`vllm_kvevict.skewing`, post-RoPE, packed) and cut to the
+             (:mod:`vllm_kvevict.core.skewing`, post-RoPE, packed) and cut to the
              partial channels; against layer i's partial skewed key cache it
              keeps the tokens above max - alpha, the mean count over heads for
-             every head, at most B (:func:`vllm_kvevict.skewing.speculate`).
+             every head, at most B (:func:`vllm_kvevict.core.skewing.speculate`).
              Layer i then attends those tokens + the current one only.
   infinigen-noskew  the same with A = I (channels still chosen by |Q| + |K|),
              the paper's "w/o skewing" ablation.
@@ -45,7 +48,7 @@ Methods (budget B = resident past tokens besides the current one):
              head's top k (``offload.infinigen_decode_reference``).
              ``offload@alpha=A@cap=F@sink=S@block=N`` variants.
   infinigen+<policy>  InfiniGen with a host pool in the loop
-             (:class:`vllm_kvevict.host_pool.HostKVPool`, ``--pool-fraction`` of
+             (:class:`vllm_kvevict.core.host_pool.HostKVPool`, ``--pool-fraction`` of
              the run's offloaded blocks): a full block of a speculated layer is
              offloaded when it completes, the newest partial block stays on the
              device, an evicted block's tokens can no longer be selected, and
@@ -72,10 +75,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_kvevict import skewing as sk
-from vllm_kvevict.host_pool import HostKVPool, replay
+from vllm_kvevict import calibrate
+from vllm_kvevict.core import skewing as sk
+from vllm_kvevict.core.host_pool import HostKVPool, replay
+from vllm_kvevict.core.policies import H2OPolicy
 from vllm_kvevict.eval.tasks import window_perplexity
-from vllm_kvevict.policies import H2OPolicy
 
 ATTN_NAME = "kvevict_dense"
 
@@ -174,7 +178,7 @@ class H2O(Method):
 class InfiniGen(Method):
     """InfiniGen's speculation at layers >= ``first_layer`` (see the module docstring).
 
-    skewing:     a :class:`~vllm_kvevict.skewing.Skewing` (packed here)
+    skewing:     a :class:`~vllm_kvevict.core.skewing.Skewing` (packed here)
     pool:        optional host pool in the loop; trace: record offload/prefetch events
     first_layer: the first speculated layer (the paper: 1); the layers before
                  it attend their full cache and are not offloaded
@@ -311,7 +315,7 @@ class Offload(Method):
     layer and KV head the resident set is the ``sink`` first + the newest
     tokens, compacted back to B when it reaches B + ``block`` (vLLM's
     amortised rule); the evicted tokens are on the host, all of them present.
-    Layers 1.. attend by :func:`vllm_kvevict.offload.infinigen_decode_reference`
+    Layers 1.. attend by :func:`vllm_kvevict.core.offload.infinigen_decode_reference`
     with their own query: resident + the host tokens among each head's
     speculated top k (cap: ``cap`` x the tokens so far). Layer 0 attends its
     full cache, as in the paper (resident + every host token)."""
@@ -329,7 +333,7 @@ class Offload(Method):
         self.steps = torch.zeros(model.config.num_hidden_layers)
 
     def attend(self, layer, module, q, k, v, step, row):
-        from vllm_kvevict.offload import infinigen_decode_reference
+        from vllm_kvevict.core.offload import infinigen_decode_reference
 
         h, n, _ = k.shape
         res = torch.cat([self.resident.get(layer, torch.zeros(0, dtype=torch.bool)),
@@ -605,7 +609,7 @@ def markdown(res: Result) -> str:
 def passage_ids(tokenizer, doc: str, seed: int, n_tokens: int) -> torch.Tensor:
     """(T,) token ids of the project's perplexity passage of ``doc`` (with BOS
     if the tokenizer adds one), cut to ``n_tokens``."""
-    return sk.calibration_ids(tokenizer, doc, seed, n_tokens)[0, :n_tokens]
+    return calibrate.calibration_ids(tokenizer, doc, seed, n_tokens)[0, :n_tokens]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -642,13 +646,13 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_kvevict.models import ensure_smollm2
 
     model_dir = args.model or ensure_smollm2()
-    model, tok = sk.load_model(model_dir)
+    model, tok = calibrate.load_model(model_dir)
     methods = tuple(m for m in args.methods.split(",") if m)
     for m in methods:
         parse_method(m)  # fail before loading anything
 
     def skewing_for(fraction, skew):
-        return sk.load_or_compute(model_dir, fraction, skew=skew, model=model, tokenizer=tok)
+        return calibrate.load_or_compute(model_dir, fraction, skew=skew, model=model, tokenizer=tok)
 
     skew = skewing_for(args.fraction, True)
     ids = passage_ids(tok, args.doc, args.seed, args.tokens)

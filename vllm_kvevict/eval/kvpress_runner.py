@@ -7,7 +7,8 @@ level it imports the standard library and :mod:`vllm_kvevict.eval.tasks` only
 scoring rules, shared so that both frameworks score alike); torch,
 transformers, kvpress and tqdm are imported inside the functions that need
 them. The pure parts (budget mapping, parsing, prompt, scoring) are therefore
-testable in any venv, kvpress or not.
+testable in any venv, kvpress or not. One file because it runs standalone in
+that other venv: a second module would have to travel with it.
 
     PYTHONPATH=/work/main .venv-kvpress/bin/python -m vllm_kvevict.eval.kvpress_runner \\
         --tasks TASKS.json --out kvpress.json \\
@@ -121,7 +122,7 @@ PRESS_NAMES = {
 ANDPRO_NEAREST = """\
 AnDPro's nearest kvpress equivalent: CriticalKVPress wrapping SnapKVPress.
 
-AnDPro (vllm_kvevict.window_scores) scores token i by the window attention
+AnDPro (vllm_kvevict.core.window_scores) scores token i by the window attention
 weighted by the projection of its value on the pre-eviction output,
 sum_t a[t, i] * <y_t, v_i> with y_t = sum_j a[t, j] v_j: attention alone is
 not enough, the value's contribution to the output counts too. Of kvpress's
@@ -270,8 +271,7 @@ def make_press(policy: str, budget: float, *, window: int, kernel_size: int,
     """The kvpress press for one of our policies at one budget (None for "none")."""
     if policy == "none":
         return None
-    from kvpress import (CriticalKVPress, ObservedAttentionPress, SnapKVPress,
-                         StreamingLLMPress)
+    from kvpress import CriticalKVPress, ObservedAttentionPress, SnapKVPress, StreamingLLMPress
 
     ratio = budget_to_compression_ratio(budget)
     if policy == "h2o":
@@ -300,11 +300,10 @@ class Runner:
     """One model load; runs one (query_mode, policy, budget) over the instances."""
 
     def __init__(self, model_dir: str, dtype: str, attn_impl: str) -> None:
+        import kvpress  # noqa: F401  (registers the "kv-press-text-generation" pipeline)
         import torch
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
-
-        import kvpress  # noqa: F401  (registers the "kv-press-text-generation" pipeline)
 
         transformers.utils.logging.disable_progress_bar()
         self.torch = torch

@@ -27,10 +27,10 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionType
 
-from vllm_kvevict.config import EvictionConfig
-from vllm_kvevict.integration.scores import accumulate_scores
+from vllm_kvevict.core.config import EvictionConfig
+from vllm_kvevict.core.kernel_dispatch import triton_module, upload, use_triton
+from vllm_kvevict.core.scores import accumulate_scores
 from vllm_kvevict.integration.worker import worker_state
-from vllm_kvevict.kernels import triton_module, upload, use_triton
 
 PLACEMENT_ATTR = "kvevict_decode_placement"  # set on a step's attention metadata
 SCORED_ATTR = "kvevict_scored_rows"  # (num_reqs,) bool, or None for all rows

@@ -1,5 +1,5 @@
 """Worker side of InfiniGen offload: the host tier wired into compaction and
-decode attention (the vLLM-free parts are in vllm_kvevict/offload.py).
+decode attention (the vLLM-free parts are in vllm_kvevict/core/offload.py).
 
   evicted_entries  at compaction, the K/V of the tokens the resident policy
                    drops, gathered before the kept ones overwrite them
@@ -28,7 +28,8 @@ import re
 
 import torch
 
-from vllm_kvevict.offload import HostTier, decode_attention, speculate
+from vllm_kvevict.core.host_tier import HostTier
+from vllm_kvevict.core.offload import decode_attention, speculate
 
 logger = logging.getLogger("vllm_kvevict")
 
@@ -42,15 +43,15 @@ def layer_index(name: str) -> int:
 
 
 def check_skewing(vllm_config, cfg):
-    """The skewing file the workers will load (skewing.locate), checked against
+    """The skewing file the workers will load (skewing_store.locate), checked against
     the model. Runs in the engine's create_engine_config, before any worker
     starts, so a missing or wrong file stops startup with the command to run."""
-    from vllm_kvevict import skewing
+    from vllm_kvevict.core import skewing_store
 
     mc = vllm_config.model_config
-    path = skewing.locate(mc.model, cfg.partial, cfg.skewing)
-    skewing.check_file(path, mc.get_total_num_hidden_layers(), mc.get_total_num_kv_heads(),
-                       mc.get_head_size(), cfg.partial)
+    path = skewing_store.locate(mc.model, cfg.partial, cfg.skewing)
+    skewing_store.check_file(path, mc.get_total_num_hidden_layers(),
+                             mc.get_total_num_kv_heads(), mc.get_head_size(), cfg.partial)
     logger.info("vllm_kvevict: InfiniGen skewing %s", path)
     return path
 
@@ -59,10 +60,10 @@ def host_tier(state, layout, dtype: torch.dtype) -> HostTier:
     """The worker's host tier, made on first use. Loads the skewing file and
     never computes it: that loads the whole model (calibrate.py does it offline)."""
     if state.host is None:
-        from vllm_kvevict import skewing
+        from vllm_kvevict.core import skewing, skewing_store
 
         cfg = state.cfg
-        path = skewing.locate(state.model_dir, cfg.partial, cfg.skewing)
+        path = skewing_store.locate(state.model_dir, cfg.partial, cfg.skewing)
         sk = skewing.Skewing.load(path).packed()
         h_total, h = sk.num_kv_heads, layout.num_kv_heads
         first = (_tp_rank() * h) % h_total  # this rank's KV heads

@@ -8,7 +8,7 @@ Offline:
 
 Server: the routes in `integration/server_routes.py` call the async versions.
 
-Registering a schema tokenizes it, lays out positions (vllm_kvevict.prompt_layout)
+Registering a schema tokenizes it, lays out positions (vllm_kvevict.core.prompt_layout)
 and runs one encode request per module (its tokens at its schema positions,
 max_tokens=1); the engine core pins the full blocks as the request ends
 (module_store.py). A PML prompt, anywhere in a completion prompt or chat
@@ -31,11 +31,16 @@ import threading
 import uuid
 from collections.abc import Callable
 
-from vllm_kvevict.config import EvictionConfig, ModuleLimits
+from vllm_kvevict.core.config import EvictionConfig, ModuleLimits
+from vllm_kvevict.core.pml import PMLError, find_prompt, parse_prompt, parse_schema
+from vllm_kvevict.core.prompt_layout import (
+    SALT_PREFIX,
+    SchemaLayout,
+    layout_prompt,
+    layout_schema,
+    salt,
+)
 from vllm_kvevict.integration.module_store import LAYOUT_KEY, layout_problem
-from vllm_kvevict.pml import PMLError, find_prompt, parse_prompt, parse_schema
-from vllm_kvevict.prompt_layout import (SALT_PREFIX, SchemaLayout, layout_prompt, layout_schema,
-                                        salt)
 
 # Layouts are only accepted from this process's own code: a client that sends
 # `vllm_xargs: {"kvevict_layout": ...}` could otherwise pin or read any blocks.

@@ -21,9 +21,9 @@ from __future__ import annotations
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from vllm_kvevict.config import ModuleLimits
+from vllm_kvevict.core.config import ModuleLimits
+from vllm_kvevict.core.pml import PMLError
 from vllm_kvevict.integration import prompt_modules as pm
-from vllm_kvevict.pml import PMLError
 
 router = APIRouter(prefix="/v1/kvevict")
 

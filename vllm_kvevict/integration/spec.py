@@ -24,12 +24,12 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from vllm_kvevict.config import EvictionConfig
-from vllm_kvevict.integration.metrics import Snapshot
+from vllm_kvevict.core.config import EvictionConfig
+from vllm_kvevict.core.metrics import Snapshot
+from vllm_kvevict.core.planner import compaction_target
+from vllm_kvevict.core.plans import CompactionPlan
+from vllm_kvevict.core.policies import make_policy
 from vllm_kvevict.integration.module_store import layout_of
-from vllm_kvevict.integration.plans import CompactionPlan
-from vllm_kvevict.planner import compaction_target
-from vllm_kvevict.policies import make_policy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,7 +235,7 @@ class EvictableAttentionManager(FullAttentionManager):
         return need + others <= self.block_pool.get_num_free_blocks()
 
     def write_metrics(self) -> None:
-        """Cumulative counters and resident tokens for /metrics (integration/metrics.py).
+        """Cumulative counters and resident tokens for /metrics (core/metrics.py).
         Called after every schedule() and whenever a request's blocks are freed,
         so an idle engine shows what it holds now."""
         if self._snapshot is None:

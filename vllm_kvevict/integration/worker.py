@@ -23,63 +23,19 @@ from typing import Any
 
 import torch
 
-from vllm_kvevict.compaction import fill_holes
-from vllm_kvevict.config import EvictionConfig
-from vllm_kvevict.integration.decode_log import DecodeQueryLog, StepPlacement
-from vllm_kvevict.integration.metrics import Snapshot
-from vllm_kvevict.integration.offload_attention import evicted_entries, host_tier
-from vllm_kvevict.integration.plans import STEP_ATTR, CompactionPlan, EvictionStep
-from vllm_kvevict.integration.query_window import QueryWindow
-from vllm_kvevict.kernels import triton_module, use_triton
-from vllm_kvevict.kv_layout import token_slots
-from vllm_kvevict.policies import make_policy
-
-
-@dataclass
-class LayerCache:
-    kv_cache: torch.Tensor  # the backend's layer cache, e.g. CPU (NB, H, BS, 2 * D)
-    layout: Any  # KVLayout (CPU) or NHDLayout (FlashAttention): split/read/write/gather
-    scores: torch.Tensor  # (H, num_blocks * BS) float32; (H, 0) without needs_scores
-
-
-@dataclass
-class LayerStack:
-    """Consecutive layers whose caches are equally spaced slices of one buffer,
-    seen as one cache: layer l's block b is block l * num_blocks + b of
-    `kv_cache`, and its score of slot s is column l * num_blocks * BS + s of
-    `scores`. Compacting a request then costs one gather and one write for all
-    layers instead of one per layer."""
-
-    kv_cache: torch.Tensor  # (num_layers * num_blocks, ...) view of the buffer
-    layout: Any
-    num_layers: int
-    num_blocks: int
-    scores: torch.Tensor  # (H, num_layers * num_blocks * BS) float32
-    names: list[str]  # the layers, in row order
-
-    @classmethod
-    def build(cls, layers: dict[str, LayerCache]) -> list["LayerStack"]:
-        """One stack for all layers if their caches allow it, else one per layer.
-        Re-homes the layers' score buffers into the stack's (as views)."""
-        names, layers = list(layers), list(layers.values())
-        kv0, lay0 = layers[0].kv_cache, layers[0].layout
-        nb, step = kv0.shape[0], kv0.stride(0) * kv0.shape[0]
-        uniform = all(
-            lc.kv_cache.shape == kv0.shape and lc.kv_cache.stride() == kv0.stride()
-            and lc.kv_cache.dtype == kv0.dtype and lc.layout == lay0
-            and lc.kv_cache.untyped_storage().data_ptr() == kv0.untyped_storage().data_ptr()
-            and lc.kv_cache.storage_offset() == kv0.storage_offset() + i * step
-            for i, lc in enumerate(layers))
-        if not uniform:
-            return [cls(lc.kv_cache, lc.layout, 1, lc.kv_cache.shape[0], lc.scores, [name])
-                    for name, lc in zip(names, layers)]
-        n = len(layers)
-        kv = kv0.as_strided((n * nb, *kv0.shape[1:]), kv0.stride(), kv0.storage_offset())
-        per_layer = layers[0].scores.shape[1]
-        scores = torch.cat([lc.scores for lc in layers], dim=1)
-        for i, lc in enumerate(layers):
-            lc.scores = scores[:, i * per_layer:(i + 1) * per_layer]
-        return [cls(kv, lay0, n, nb, scores, names)]
+from vllm_kvevict.core.compaction import fill_holes
+from vllm_kvevict.core.config import EvictionConfig
+from vllm_kvevict.core.cpu_layout import token_slots
+from vllm_kvevict.core.decode_log import DecodeQueryLog, StepPlacement
+from vllm_kvevict.core.host_tier import HostTier
+from vllm_kvevict.core.kernel_dispatch import triton_module, use_triton
+from vllm_kvevict.core.layer_stack import LayerCache, LayerStack
+from vllm_kvevict.core.metrics import Snapshot
+from vllm_kvevict.core.offload import Fetched
+from vllm_kvevict.core.plans import STEP_ATTR, CompactionPlan, EvictionStep
+from vllm_kvevict.core.policies import make_policy
+from vllm_kvevict.core.query_window import QueryWindow
+from vllm_kvevict.integration.offload_attention import DecodeRows, evicted_entries, host_tier
 
 
 @dataclass
@@ -113,10 +69,13 @@ class WorkerEviction:
         self._step_open = False  # a begin_step not yet matched by place_queries
         self.compaction_seconds = 0.0
         self._snapshot: Snapshot | None = None
-        self.model_dir: str | None = None  # for the skewing of offload (set at init)
-        self.host = None  # HostTier (offload_attention.host_tier), made on first use
-        self.prefetched = None  # (row ids, Fetched) for the layer about to run (connector)
-        self.decode_rows = None  # offload_attention.DecodeRows of the current step
+        # Offload (InfiniGen), all in integration/offload_attention.py and
+        # offload_connector.py; None/unused unless cfg.offload.
+        self.model_dir: str | None = None  # whose skewing file to load (set at init)
+        self.host: HostTier | None = None  # offload_attention.host_tier, made on first use
+        # (row ids, what speculation fetched) for the layer about to run (connector)
+        self.prefetched: tuple[list[str], Fetched] | None = None
+        self.decode_rows: DecodeRows | None = None  # rows that attend host entries this step
 
     # --- registration ---------------------------------------------------------
 

@@ -45,7 +45,7 @@ def use_triton(x: torch.Tensor, layout=None) -> bool:
     if m == "torch" or not _triton_imports():
         return False
     if layout is not None:
-        from vllm_kvevict.nhd_layout import NHDLayout
+        from vllm_kvevict.core.nhd_layout import NHDLayout
 
         if not isinstance(layout, NHDLayout) or layout.block_size < 16 \
                 or layout.block_size & (layout.block_size - 1):

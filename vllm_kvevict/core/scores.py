@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_kvevict.kernels import triton_module, upload, use_triton
-from vllm_kvevict.kv_layout import token_slots
+from vllm_kvevict.core.cpu_layout import token_slots
+from vllm_kvevict.core.kernel_dispatch import triton_module, upload, use_triton
 
 # Bound the (R, H, T*G, keys) float32 logits of one tile to about 8 MB: the
 # passes over a tile (mask, softmax, the weighted column sum) then run in cache
@@ -47,7 +47,7 @@ def score_queries(scores: torch.Tensor, layout, key_cache: torch.Tensor,
     query heads are one matrix-vector product per tile (w^T softmax, w the
     queries' 0/1 weights).
     """
-    bs, h = layout.block_size, layout.num_kv_heads
+    bs = layout.block_size
     r, nq, hq, d = queries.shape
     dev = scores.device
     visible = visible.long().cpu()  # the masks below are decided on the host

@@ -22,35 +22,21 @@ its partial channels come first (a column permutation of an orthogonal matrix
 is orthogonal, so q~ k~^T is still exact): then the partial channels are
 ``arange(C)`` for every head and the partial key cache is ``k~[..., :C]``.
 
-Everything here is tensors in, tensors out, with no vLLM import. Only
-:func:`collect_qk` / :func:`compute_skewing` / :func:`load_or_compute` touch a
-Hugging Face model (Llama-style attention modules with q_proj / k_proj and
-a ``position_embeddings`` argument), and only offline: a serving engine never
-computes a skewing. ``python -m vllm_kvevict.calibrate MODEL``
-(:mod:`vllm_kvevict.calibrate`) writes it once; at startup the engine finds it
-with :func:`locate` (or stops, naming that command) and checks it against the
-model with :func:`check_file`; workers only load it.
-
-Cache: :func:`load_or_compute` stores the result as safetensors under
-:func:`skewing_dir` (``$VLLM_KVEVICT_SKEWING``, else
-``~/.cache/vllm_kvevict/skewing``, beside the converted models of
-:mod:`vllm_kvevict.models`), keyed by the model directory and a hash of its
-``config.json`` and the calibration parameters (:func:`cache_path`); a serving
-engine looks for the default calibration at the partial fraction it runs with
-(:func:`default_path`).
+Everything here is tensors in, tensors out, with no vLLM import. What
+touches a Hugging Face model (collecting queries and keys, computing and caching
+a skewing) is offline tooling and lives in :mod:`vllm_kvevict.calibrate`: a
+serving engine never computes a skewing: `skewing_store` finds the file
+(written once by ``python -m vllm_kvevict.calibrate MODEL``) and checks it
+against the model; workers only load it.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-from vllm_kvevict.config import EvictionConfigError
 
 FORMAT_VERSION = "1"
 DEFAULT_FRACTION = 0.3
@@ -237,10 +223,10 @@ def speculate(q_partial: torch.Tensor, k_partial: torch.Tensor, lengths: torch.T
     highest partial logit first.
 
     Runs the Triton kernel (``triton_kernels.partial_attention``) where
-    :func:`vllm_kvevict.kernels.use_triton` says so (CUDA), else
+    :func:`vllm_kvevict.core.kernel_dispatch.use_triton` says so (CUDA), else
     :func:`partial_attention_torch`.
     """
-    from vllm_kvevict.kernels import triton_module, use_triton
+    from vllm_kvevict.core.kernel_dispatch import triton_module, use_triton
 
     if use_triton(q_partial):
         cols = torch.arange(q_partial.shape[-1], device=q_partial.device)
@@ -354,45 +340,6 @@ class Skewing:
 # Hugging Face model: collect queries and keys, compute, cache
 # ---------------------------------------------------------------------------
 
-def _attention_modules(model) -> list:
-    base = getattr(model, "model", model)
-    return [layer.self_attn for layer in base.layers]
-
-
-@torch.no_grad()
-def collect_qk(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Run ``model`` once over ``input_ids`` (1, T) and return per layer the
-    post-RoPE queries (H_q, T, D) and keys (H, T, D), float32.
-
-    Recomputed from each attention module's input (a forward pre-hook on
-    ``self_attn``: ``hidden_states`` after the input norm, and the rotary
-    ``position_embeddings``), so the model's attention itself is untouched.
-    """
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    out: list = []
-    handles = []
-
-    def hook(module, args, kwargs):
-        x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        cos, sin = kwargs["position_embeddings"]
-        d = module.head_dim
-        q = module.q_proj(x).view(*x.shape[:-1], -1, d).transpose(1, 2)
-        k = module.k_proj(x).view(*x.shape[:-1], -1, d).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        # On the CPU: a big model calibrates on a GPU, its per-layer SVDs are small.
-        out.append((q[0].float().cpu(), k[0].float().cpu()))
-
-    for m in _attention_modules(model):
-        handles.append(m.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        model(input_ids.to(model.device), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return out
-
-
 def skewing_from_qk(qk: list[tuple[torch.Tensor, torch.Tensor]],
                     fraction: float = DEFAULT_FRACTION, skew: bool = True,
                     meta: dict | None = None) -> Skewing:
@@ -415,181 +362,3 @@ def skewing_from_qk(qk: list[tuple[torch.Tensor, torch.Tensor]],
         a_layers.append(a)
         col_layers.append(cols)
     return Skewing(torch.stack(a_layers), torch.stack(col_layers), dict(meta or {}))
-
-
-def compute_skewing(model, input_ids: torch.Tensor, fraction: float = DEFAULT_FRACTION,
-                    skew: bool = True, meta: dict | None = None) -> Skewing:
-    """One forward pass over ``input_ids`` (1, T) -> :class:`Skewing`."""
-    return skewing_from_qk(collect_qk(model, input_ids), fraction, skew, meta)
-
-
-def skewing_dir() -> Path:
-    """``$VLLM_KVEVICT_SKEWING`` if set, else ``~/.cache/vllm_kvevict/skewing``."""
-    env = os.environ.get("VLLM_KVEVICT_SKEWING")
-    base = Path(env) if env else Path.home() / ".cache" / "vllm_kvevict" / "skewing"
-    return base.expanduser()
-
-
-def cache_key(model_dir: str | os.PathLike, **params) -> str:
-    """Hex digest of the model directory, its config.json and ``params``."""
-    model_dir = Path(model_dir).expanduser().resolve()
-    config = (model_dir / "config.json").read_bytes()
-    h = hashlib.sha256()
-    h.update(f"skewing-v{FORMAT_VERSION}\0{model_dir}\0".encode())
-    h.update(hashlib.sha256(config).digest())
-    h.update(json.dumps(params, sort_keys=True).encode())
-    return h.hexdigest()
-
-
-def cache_path(model_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
-               **params) -> Path:
-    """Where :func:`load_or_compute` keeps the skewing of ``model_dir`` for ``params``."""
-    name = Path(model_dir).expanduser().resolve().name
-    key = cache_key(model_dir, **params)[:20]
-    return Path(cache_dir or skewing_dir()) / f"{name}-{key}.safetensors"
-
-
-def calibration_ids(tokenizer, doc: str, seed: int, n_tokens: int) -> torch.Tensor:
-    """(1, T) token ids of the project's perplexity passage of ``doc``
-    (:func:`vllm_kvevict.eval.instances.perplexity`)."""
-    from vllm_kvevict.eval.instances import perplexity
-
-    inst = perplexity(tokenizer, seed, [doc], n_tokens, window=n_tokens)[0]
-    return torch.tensor([tokenizer(inst["context"])["input_ids"]])
-
-
-def load_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               device: str = "cpu"):
-    """(model, tokenizer): the HF checkpoint (default float32) with eager attention."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
-                                                 attn_implementation="eager").to(device).eval()
-    return model, AutoTokenizer.from_pretrained(str(model_dir))
-
-
-def load_or_compute(model_dir: str | os.PathLike, fraction: float = DEFAULT_FRACTION,
-                    skew: bool = True, doc: str = DEFAULT_CALIBRATION["doc"],
-                    seed: int = DEFAULT_CALIBRATION["seed"],
-                    n_tokens: int = DEFAULT_CALIBRATION["n_tokens"],
-                    cache_dir: str | os.PathLike | None = None, model=None,
-                    tokenizer=None, recompute: bool = False) -> Skewing:
-    """The skewing of the checkpoint ``model_dir``, from the cache or computed
-    once (calibration text: the perplexity passage of ``doc``, ``n_tokens``
-    tokens) and stored. ``model`` / ``tokenizer``: already loaded ones to reuse;
-    ``recompute``: replace a cached file. Offline only (calibrate.py, the dense
-    evaluation): serving engines :func:`locate` the file instead."""
-    params = dict(fraction=fraction, skew=skew, doc=doc, seed=seed, n_tokens=n_tokens)
-    path = cache_path(model_dir, cache_dir, **params)
-    if path.is_file() and not recompute:
-        return Skewing.load(path)
-    if model is None or tokenizer is None:
-        model, tokenizer = load_model(model_dir)
-    ids = calibration_ids(tokenizer, doc, seed, n_tokens)
-    meta = dict(params, model_dir=str(Path(model_dir).expanduser().resolve()),
-                key=cache_key(model_dir, **params), calibration_tokens=ids.shape[1],
-                format=FORMAT_VERSION, rope="post-rope")
-    result = compute_skewing(model, ids, fraction, skew, {k: str(v) for k, v in meta.items()})
-    result.save(path)
-    return result
-
-
-# ---------------------------------------------------------------------------
-# Serving: find the file, check it fits, never compute
-# ---------------------------------------------------------------------------
-
-class SkewingFileError(EvictionConfigError):
-    """No usable skewing file for a serving engine (missing, or not this model's);
-    the message says how to make one."""
-
-
-def model_directory(model: str | os.PathLike) -> Path:
-    """The local directory of ``model``: a path, or a Hugging Face repo id already
-    in the local hub cache (vLLM fetches its config.json before this is asked)."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path.resolve()
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(str(model), local_files_only=True)).resolve()
-    except Exception as e:  # not cached, offline, bad id: all say "not here"
-        raise FileNotFoundError(f"{model}: not a model directory nor a cached Hugging "
-                                f"Face model ({type(e).__name__})") from e
-
-
-def default_path(model: str | os.PathLike, fraction: float = DEFAULT_FRACTION) -> Path:
-    """Where ``python -m vllm_kvevict.calibrate MODEL`` writes, and where a serving
-    engine looks: :func:`cache_path` of the default calibration."""
-    return cache_path(model_directory(model), fraction=fraction, skew=True,
-                      **DEFAULT_CALIBRATION)
-
-
-def calibrate_command(model: str | os.PathLike, fraction: float = DEFAULT_FRACTION,
-                      output: str | os.PathLike | None = None) -> str:
-    """The shell command that writes the skewing a serving engine looks for.
-    It carries $VLLM_KVEVICT_SKEWING when set, so it writes where the engine looks."""
-    import shlex
-
-    path = Path(model).expanduser()
-    words = ["python", "-m", "vllm_kvevict.calibrate",
-             str(path.resolve()) if path.is_dir() else str(model)]
-    if fraction != DEFAULT_FRACTION:
-        words += ["--partial", f"{fraction:g}"]
-    if output is not None:
-        words += ["--output", str(output)]
-    env = os.environ.get("VLLM_KVEVICT_SKEWING") if output is None else None
-    return (f"VLLM_KVEVICT_SKEWING={shlex.quote(env)} " if env else "") + shlex.join(words)
-
-
-def locate(model: str | os.PathLike, fraction: float = DEFAULT_FRACTION,
-           explicit: str | os.PathLike | None = None) -> Path:
-    """The skewing file a serving engine uses: ``explicit`` (--kv-skewing), else
-    :func:`default_path`. Raises :class:`SkewingFileError` naming the command that
-    writes it: calibration loads the whole model in float32, which a serving
-    worker (one per tensor-parallel rank, mid-step) must never do."""
-    if explicit is not None:
-        path = Path(explicit).expanduser()
-        if not path.is_file():
-            raise SkewingFileError(
-                f"--kv-skewing (additional_config['kv_skewing']): no file {path}; write it "
-                f"once, offline, with:\n    {calibrate_command(model, fraction, path)}")
-        return path
-    try:
-        path = default_path(model, fraction)
-    except FileNotFoundError as e:
-        where = str(e)
-    else:
-        if path.is_file():
-            return path
-        where = f"none at {path}"
-    raise SkewingFileError(
-        f"KV offload (--kv-eviction infinigen / --kv-swap-space) needs InfiniGen's skewing "
-        f"of {model}, computed once, offline ({where}). Run:\n"
-        f"    {calibrate_command(model, fraction)}\n"
-        f"then start again (or point --kv-skewing at a file it wrote).")
-
-
-def check_file(path: str | os.PathLike, num_layers: int, num_kv_heads: int, head_dim: int,
-               fraction: float = DEFAULT_FRACTION) -> None:
-    """Refuse a skewing file that does not fit the model being served (reads the
-    safetensors header only), so a wrong file stops startup, not a decode step."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            a_shape = tuple(f.get_slice("a").get_shape())
-            c = f.get_slice("cols").get_shape()[-1]
-    except Exception as e:
-        raise SkewingFileError(f"{path}: not a skewing file ({e})") from e
-    want = (num_layers, num_kv_heads, head_dim, head_dim)
-    if a_shape != want:
-        raise SkewingFileError(
-            f"{path}: a skewing of {a_shape[0]} layers x {a_shape[1]} KV heads x head "
-            f"dim {a_shape[2]}, but the model has {num_layers} x {num_kv_heads} x "
-            f"{head_dim}: calibrate this model")
-    if c != num_partial(head_dim, fraction):
-        raise SkewingFileError(
-            f"{path}: {c} partial channels, but --kv-partial {fraction:g} means "
-            f"{num_partial(head_dim, fraction)}; calibrate with --partial {fraction:g} or "
-            f"serve with the --kv-partial the file was made for")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.integration.scores import score_queries
+from vllm_kvevict.core.scores import score_queries
 
 
 @dataclass
@@ -130,7 +130,7 @@ class DecodeQueryLog:
               block_ids_of: Callable[[str], list[int] | None]) -> None:
         """Score the waiting queries of `req_ids` in every layer, then clear them.
 
-        layers: name -> LayerCache (kv_cache, layout, scores).
+        layers: name -> layer_stack.LayerCache (kv_cache, layout, scores).
         block_ids_of(req_id): the request's current block ids (worker's copy),
         None if the worker no longer knows it (its queries are dropped).
         """

@@ -4,6 +4,8 @@ The same keys serve both front doors:
   CLI      `vllm serve M --kv-eviction h2o --kv-budget 256 --kv-recent 64`
   offline  `LLM(M, additional_config={"kv_eviction": "h2o", "kv_budget": 256})`
 Every error names the flag, so a bad value fails at startup, never mid-request.
+One file because it is the one place every --kv-* setting is parsed and checked
+(the server's and a request's), so no rule exists twice.
 """
 
 from __future__ import annotations

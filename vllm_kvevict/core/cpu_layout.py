@@ -4,7 +4,8 @@ The CPU backend stores a layer's cache as ``[num_blocks, H, BS, 2*D]``, split
 by ``split_kv_cache`` into key/value caches of logical shape ``[num_blocks, H,
 BS, D]`` whose ``[BS, D]`` interior is ISA-packed by the C++ writer
 (``cpu_attn_reshape_and_cache``). We do not hard-code that packing: ``discover``
-writes index-coded tokens with the stock writer into a one-block scratch cache
+is handed that writer (the vLLM layer passes it: integration/cpu_backend.py, so
+this module imports no vLLM), writes index-coded tokens with it into a one-block scratch cache
 and reads back where each (head, token, dim) landed. If the result is an affine
 "tiled permutation" (token and dim axes each split at most once into
 outer/inner digits, e.g. vec K = [D][BS], amx bf16 K = [BS/16][D/2][16][2]) we
@@ -15,12 +16,18 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 # Code digits are 0..255: bf16 holds integers exactly only up to 256.
 _BASE = 256
+
+# vLLM's cpu_attn_reshape_and_cache(key, value, key_cache, value_cache,
+# slot_mapping, isa): key/value (T, H, D), caches as ``split_kv_cache`` gives them.
+StockWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                        torch.Tensor, str], None]
 
 
 def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,12 +44,10 @@ def token_slots(blocks: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
     return blocks[..., j // block_size].long() * block_size + j % block_size
 
 
-def _stock_map(isa: str, dtype: torch.dtype, bs: int, d: int, h: int
+def _stock_map(write: StockWriter, isa: str, dtype: torch.dtype, bs: int, d: int, h: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-block maps ``[H, BS, D]`` -> flat logical index into ``cache[b]``
     (i.e. ``h*BS*D + row*D + col``) where the stock writer puts each element."""
-    from vllm import _custom_ops as ops
-
     n = h * bs * d
     code = torch.arange(n).view(h, bs, d)
     dec = [torch.zeros(h, bs, d, dtype=torch.long) for _ in range(2)]
@@ -51,7 +56,7 @@ def _stock_map(isa: str, dtype: torch.dtype, bs: int, d: int, h: int
         digit = ((code // _BASE**p) % _BASE).to(dtype).transpose(0, 1).contiguous()
         kv = torch.full((1, h, bs, 2 * d), -1.0, dtype=dtype)  # -1 = never written
         kc, vc = split_kv_cache(kv)
-        ops.cpu_attn_reshape_and_cache(digit, digit, kc, vc, torch.arange(bs), isa)
+        write(digit, digit, kc, vc, torch.arange(bs), isa)
         for i, c in enumerate((kc[0], vc[0])):
             hit[i] &= c >= 0
             dec[i] += c.clamp(min=0).long() * _BASE**p
@@ -108,10 +113,10 @@ class KVLayout:
 
     @classmethod
     @functools.lru_cache(maxsize=None)
-    def discover(cls, isa: str, dtype: torch.dtype, block_size: int, head_size: int,
-                 num_kv_heads: int) -> "KVLayout":
-        """Probe the stock writer (needs vllm's C++ ops) once per argument tuple."""
-        km, vm = _stock_map(isa, dtype, block_size, head_size, num_kv_heads)
+    def discover(cls, write: StockWriter, isa: str, dtype: torch.dtype, block_size: int,
+                 head_size: int, num_kv_heads: int) -> "KVLayout":
+        """Probe the stock writer (vLLM's C++ op) once per argument tuple."""
+        km, vm = _stock_map(write, isa, dtype, block_size, head_size, num_kv_heads)
         return cls(isa, dtype, block_size, head_size, num_kv_heads, km, vm,
                    _fit_tiles(km), _fit_tiles(vm))
 
@@ -121,10 +126,10 @@ class KVLayout:
         return split_kv_cache(kv_cache)
 
     @classmethod
-    def for_cache(cls, kv_cache: torch.Tensor, isa: str) -> "KVLayout":
+    def for_cache(cls, write: StockWriter, kv_cache: torch.Tensor, isa: str) -> "KVLayout":
         """The layout of a CPU backend layer cache ``[NB, H, BS, 2*D]``."""
         _, h, bs, d2 = kv_cache.shape
-        return cls.discover(isa, kv_cache.dtype, bs, d2 // 2, h)
+        return cls.discover(write, isa, kv_cache.dtype, bs, d2 // 2, h)
 
     # -- strided views ---------------------------------------------------
     def _view6(self, cache: torch.Tensor, tiles) -> torch.Tensor:

@@ -97,8 +97,7 @@ class EvictionCollector:
     """prometheus_client custom collector over the snapshots (scrape time)."""
 
     def collect(self):
-        from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                            InfoMetricFamily)
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
         snaps = read_snapshots()
         # One file per KV group of each engine core; token counts are the same

@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from vllm_kvevict.config import WINDOW_POLICIES
+from vllm_kvevict.core.config import WINDOW_POLICIES
 
 
 class EvictionPolicy(ABC):
@@ -65,7 +65,7 @@ class StreamingPolicy(EvictionPolicy):
 class WindowPolicy(H2OPolicy):
     """SnapKV (Li et al. 2024) and AnDPro (anchor direction projection): at each
     compaction, the last `window` queries score every resident token
-    (`vllm_kvevict.window_scores`), and the kept set is the recent tokens (the
+    (`vllm_kvevict.core.window_scores`), and the kept set is the recent tokens (the
     window itself, unless the budget is under two windows: then half the
     budget) plus the best-scored older ones, as H2O selects.
 
@@ -86,7 +86,7 @@ class WindowPolicy(H2OPolicy):
                scale: float, recent: int | None = None) -> torch.Tensor:
         """(B, w, H_q, D), (B, H, n, D) x2 -> (B, H, n) selection scores; the
         `recent` newest tokens (default: the window) are the ones always kept."""
-        from vllm_kvevict.window_scores import window_scores
+        from vllm_kvevict.core.window_scores import window_scores
 
         return window_scores(self.kind, q, k, v, scale, recent)
 

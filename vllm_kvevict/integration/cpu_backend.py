@@ -18,6 +18,8 @@ that path is importable without a GPU but has never run here.
 
 from __future__ import annotations
 
+import torch
+from vllm import _custom_ops as ops
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -25,18 +27,30 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from vllm_kvevict.core.cpu_layout import KVLayout
 from vllm_kvevict.integration.attention_common import (
     PLACEMENT_ATTR,
     SCORED_ATTR,
-    eviction_config,
     evictable_spec,
+    eviction_config,
     physical_metadata,
     score_step,
     write_kv,
 )
 from vllm_kvevict.integration.offload_attention import host_decode
 from vllm_kvevict.integration.worker import init_worker_state, worker_state
-from vllm_kvevict.kv_layout import KVLayout
+
+
+def discover_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int,
+                    num_kv_heads: int) -> KVLayout:
+    """The in-block layout vLLM's CPU writer uses for these shapes (cached)."""
+    return KVLayout.discover(ops.cpu_attn_reshape_and_cache, isa, dtype, block_size,
+                             head_size, num_kv_heads)
+
+
+def layout_for_cache(kv_cache: torch.Tensor, isa: str) -> KVLayout:
+    """The layout of one CPU backend layer cache ``[NB, H, BS, 2*D]``."""
+    return KVLayout.for_cache(ops.cpu_attn_reshape_and_cache, kv_cache, isa)
 
 
 class EvictingCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -79,7 +93,7 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
         write_kv(self, layer, key, value, kv_cache, attn_metadata)
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata,
                               output, output_scale, output_block_scale)
-        make_layout = lambda kv: KVLayout.for_cache(kv, layer.isa)  # noqa: E731
+        make_layout = lambda kv: layout_for_cache(kv, layer.isa)  # noqa: E731
         score_step(self, layer, query, kv_cache, attn_metadata, make_layout)
         state = worker_state()
         if state is not None and state.cfg.offload and state.host is not None:
