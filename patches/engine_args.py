@@ -42,8 +42,8 @@ from vllm_kvevict.core.config import (
     VICTIMS,
     EvictionConfig,
     EvictionConfigError,
-    ModuleLimits,
 )
+from vllm_kvevict.integration.settings import canonical, eviction_config
 
 from . import mark_patched
 
@@ -153,16 +153,17 @@ def apply() -> None:
         engine_args = from_cli_args.__kvevict_original__.__func__(cls, args)
         given = {k: getattr(args, k) for k in FLAGS if getattr(args, k, None) is not None}
         if given:
-            EvictionConfig.from_dict(given)  # fail now, naming the flag
-            ModuleLimits.from_dict(given)
+            eviction_config(given)  # fail now, naming the flag
             engine_args.additional_config = {**(engine_args.additional_config or {}), **given}
         return engine_args
 
     def create_engine_config(self, *args, **kwargs):
         from vllm_kvevict.integration.backend_select import select_attention_backend
 
-        cfg = EvictionConfig.from_dict(self.additional_config or {})
-        ModuleLimits.from_dict(self.additional_config)  # a bad value stops startup
+        # Parsed and checked here, once: a bad value stops startup, naming its
+        # flag. Every process reads the canonical form (integration/settings.py).
+        self.additional_config = canonical(self.additional_config)
+        cfg = eviction_config(self.additional_config)
         refuse_unsupported(cfg, speculative=_speculative_flag(self),
                            pipeline=self.pipeline_parallel_size,
                            async_scheduling=self.async_scheduling)
@@ -192,8 +193,6 @@ def apply() -> None:
             self.kv_transfer_config = KVTransferConfig(kv_connector=CONNECTOR_NAME,
                                                        kv_role="kv_both")
             self.enforce_eager = True
-            if cfg.skewing:  # the absolute path: workers may run in another directory
-                self.additional_config = {**self.additional_config, "kv_skewing": cfg.skewing}
         select_attention_backend(self, cfg)
         vllm_config = create_engine_config.__kvevict_original__(self, *args, **kwargs)
         if cfg.enabled:

@@ -22,12 +22,13 @@ def apply() -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
-    from vllm_kvevict.core.config import EvictionConfig, EvictionConfigError
+    from vllm_kvevict.core.config import EvictionConfigError
+    from vllm_kvevict.integration.settings import eviction_config
 
     def _validate_params(self, params, *args, **kwargs):
         result = _validate_params.__kvevict_original__(self, params, *args, **kwargs)
         if isinstance(params, SamplingParams) and params.extra_args:
-            server = EvictionConfig.from_dict(self.vllm_config.additional_config)
+            server = eviction_config(self.vllm_config)
             try:
                 server.for_request(params.extra_args, self.cache_config.block_size)
             except EvictionConfigError as e:

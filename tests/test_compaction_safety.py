@@ -83,7 +83,7 @@ def manager(num_blocks, budget=4 * BS):
     cfg = EvictionConfig.from_dict({"kv_eviction": "streaming", "kv_budget": budget})
     spec = EvictableAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D,
                                   dtype=torch.float32,
-                                  eviction=tuple(sorted(cfg.to_dict().items())))
+                                  eviction=cfg)
     pool = BlockPool(num_blocks, enable_caching=True, hash_block_size=BS)
     return EvictableAttentionManager(spec, block_pool=pool, enable_caching=True,
                                      kv_cache_group_id=0, scheduler_block_size=BS)

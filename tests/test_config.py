@@ -174,3 +174,20 @@ def test_prefill_cap_parses_and_a_request_may_only_lower_it():
     for more in (513, "auto"):
         with pytest.raises(EvictionConfigError, match="kv_prefill_cap .* --kv-prefill-cap 512"):
             capped.for_request({"kv_prefill_cap": more}, BLOCK)
+
+
+def test_settings_parse_each_dict_once_and_canonicalise():
+    """integration/settings.py: one parse per distinct dict, the same frozen
+    value after that; the canonical dict parses to the same config."""
+    from vllm_kvevict.integration.settings import canonical, eviction_config
+
+    raw = {"kv_eviction": "H2O", "kv_budget": "20%", "kv_max_pinned": "25%", "other": [1]}
+    cfg = eviction_config(raw)
+    assert eviction_config(dict(raw)) is cfg  # other keys do not matter, even unhashable
+    assert (cfg.policy, cfg.budget, cfg.limits.max_pinned) == ("h2o", 0.2, 0.25)
+    canon = canonical(raw)
+    assert canon["other"] == [1] and canon["kv_budget"] == 0.2
+    assert eviction_config(canon) == cfg
+    assert canonical({"other": 1}) == {"other": 1}  # no kv_* key: left alone
+    with pytest.raises(EvictionConfigError, match="--kv-budget"):
+        eviction_config({"kv_eviction": "h2o", "kv_budget": "lots"})

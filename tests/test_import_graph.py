@@ -140,3 +140,15 @@ def test_long_files_say_why():
             unexplained.append(f"{path.relative_to(ROOT)} ({lines} lines)")
     assert not unexplained, ("files over %d lines whose docstring does not say why "
                              "('One file because ...'): %s" % (MAX_LINES, unexplained))
+
+
+def test_config_parsed_in_one_place():
+    """`EvictionConfig.from_dict` is called by integration/settings.py only (and
+    by the tests): every other reader gets the parsed, frozen value."""
+    callers = []
+    for name, path in sorted(MODULES.items()):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "from_dict"):
+                callers.append(name)
+    assert callers == ["vllm_kvevict.integration.settings"], callers

@@ -3,15 +3,20 @@ the flags, their parsing, and the admission rule, without an engine."""
 
 import pytest
 
-from vllm_kvevict.core.config import EvictionConfigError, ModuleLimits
+from vllm_kvevict.core.config import EvictionConfig, EvictionConfigError, ModuleLimits
+
+
+def limits_of(raw: dict) -> ModuleLimits:
+    """The limits as the engine parses them: part of the one EvictionConfig."""
+    return EvictionConfig.from_dict(raw).limits
 
 
 def test_defaults_and_parsing():
-    assert ModuleLimits.from_dict({}) == ModuleLimits(max_schemas=64, max_pinned=0.5)
-    assert ModuleLimits.from_dict({"kv_max_schemas": "3", "kv_max_pinned": "25%"}) == \
+    assert limits_of({}) == ModuleLimits(max_schemas=64, max_pinned=0.5)
+    assert limits_of({"kv_max_schemas": "3", "kv_max_pinned": "25%"}) == \
         ModuleLimits(max_schemas=3, max_pinned=0.25)
-    assert ModuleLimits.from_dict({"kv_max_schemas": 0, "kv_max_pinned": 1}).max_schemas == 0
-    assert ModuleLimits.from_dict({"kv_eviction": "h2o", "other": 1}) == ModuleLimits()
+    assert limits_of({"kv_max_schemas": 0, "kv_max_pinned": 1}).max_schemas == 0
+    assert limits_of({"kv_eviction": "h2o", "other": 1}) == ModuleLimits()
 
 
 @pytest.mark.parametrize("raw, flag", [
@@ -25,7 +30,7 @@ def test_defaults_and_parsing():
 ])
 def test_bad_values_name_the_flag(raw, flag):
     with pytest.raises(EvictionConfigError, match=flag):
-        ModuleLimits.from_dict(raw)
+        limits_of(raw)
 
 
 def check(limits=ModuleLimits(max_schemas=2, max_pinned=0.5), *, registered=0, pinned=0,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 POLICIES = ("none", "h2o", "streaming", "snapkv", "andpro", "infinigen")
@@ -80,6 +80,43 @@ def _number(key: str, value: Any) -> int | float:
 
 
 @dataclass(frozen=True)
+class ModuleLimits:
+    """What clients may pin through the prompt-module schema routes
+    (integration/server_routes.py; offline `register_schema` is not limited).
+
+    max_schemas: schemas registered at once in one API server process (each
+                 has its own registry); 0 turns registration off.
+    max_pinned:  share of the engine's KV block pool that module blocks may
+                 hold, in (0, 1]; the rest stays free for requests.
+    """
+
+    max_schemas: int = 64
+    max_pinned: float = 0.5
+
+
+
+def _module_limits(raw: dict[str, Any]) -> ModuleLimits:
+    """Parse `kv_max_schemas` / `kv_max_pinned` of `additional_config`."""
+    cls = ModuleLimits
+    count = raw.get("kv_max_schemas", cls.max_schemas)
+    if isinstance(count, str) and count.strip().isdigit():
+        count = int(count)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise EvictionConfigError(
+            f"{_flag('kv_max_schemas')} must be a schema count >= 0, got {count!r}")
+    share = raw.get("kv_max_pinned", cls.max_pinned)
+    try:
+        share = _number("kv_max_pinned", share)
+        if share > 1:  # _number reads 2 as a token count
+            raise EvictionConfigError
+    except EvictionConfigError:
+        raise EvictionConfigError(
+            f"{_flag('kv_max_pinned')} must be a share of the KV pool in (0, 1] "
+            f"(0.5 or 50%), got {share!r}") from None
+    return cls(max_schemas=count, max_pinned=float(share))
+
+
+@dataclass(frozen=True)
 class EvictionConfig:
     """What to keep per request.
 
@@ -107,6 +144,7 @@ class EvictionConfig:
              request's length (the paper's 20 %).
     partial: fraction of the head dimension in the partial query/key (30 %).
     host_victim: "counter" (the paper), "lru" or "fifo".
+    limits:  what clients may pin through the prompt-module schema routes.
     skewing: the skewing file (absolute path); None: the one
              `python -m vllm_kvevict.calibrate MODEL` wrote to its cache.
     prefill_cap: resident tokens a request may hold while its prompt is
@@ -129,6 +167,7 @@ class EvictionConfig:
     host_victim: str = "counter"
     skewing: str | None = None
     prefill_cap: int | None = None
+    limits: ModuleLimits = ModuleLimits()  # what clients may pin (prompt modules)
 
     @property
     def enabled(self) -> bool:
@@ -170,6 +209,15 @@ class EvictionConfig:
         window = _number("kv_window", raw.get("kv_window", cls.window))
         if not isinstance(window, int):
             raise EvictionConfigError(f"{_flag('kv_window')} must be a token count")
+        cfg = cls(policy=policy, budget=budget, recent=recent, sink=sink, window=window,
+                  prefill_cap=_prefill_cap(raw.get("kv_prefill_cap")),
+                  limits=_module_limits(raw), **_offload_settings(raw))
+        cfg._check()
+        return cfg
+
+    def _check(self) -> None:
+        """The rules between settings (each one alone is checked as it is parsed)."""
+        budget, recent = self.budget, self.recent
         if recent is not None:
             if isinstance(recent, int) != isinstance(budget, int):
                 raise EvictionConfigError(
@@ -178,28 +226,17 @@ class EvictionConfig:
             if recent > budget:
                 raise EvictionConfigError(
                     f"{_flag('kv_recent')} ({recent}) must not exceed --kv-budget ({budget})")
-        if policy == "streaming" and isinstance(budget, int) and sink >= budget:
+        if self.policy == "streaming" and isinstance(budget, int) and self.sink >= budget:
             raise EvictionConfigError(
-                f"{_flag('kv_sink')} ({sink}) must be smaller than --kv-budget ({budget})")
-        offload = _offload_settings(raw)
-        if offload.get("swap_space") and policy == "none":
+                f"{_flag('kv_sink')} ({self.sink}) must be smaller than --kv-budget ({budget})")
+        if self.swap_space and self.policy == "none":
             raise EvictionConfigError(
                 f"{_flag('kv_swap_space')} needs an eviction policy: it holds what "
                 f"--kv-eviction evicts (try --kv-eviction infinigen)")
-        if offload.get("skewing") and not (policy == "infinigen" or offload.get("swap_space")):
+        if self.skewing and not self.offload:
             raise EvictionConfigError(
                 f"{_flag('kv_skewing')} is for KV offload: add --kv-eviction infinigen "
                 f"or --kv-swap-space")
-        cap = raw.get("kv_prefill_cap")
-        if isinstance(cap, str):
-            text = cap.strip().lower()
-            cap = None if text in ("", "none", "auto") else int(text) if text.isdigit() else cap
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
-            raise EvictionConfigError(
-                f"{_flag('kv_prefill_cap')} must be a token count >= 0 or 'auto', got "
-                f"{raw['kv_prefill_cap']!r}")
-        return cls(policy=policy, budget=budget, recent=recent, sink=sink, window=window,
-                   prefill_cap=cap, **offload)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -213,6 +250,9 @@ class EvictionConfig:
                 out["kv_skewing"] = self.skewing
         if self.prefill_cap is not None:  # only when set: the default keeps spec hashes
             out["kv_prefill_cap"] = self.prefill_cap
+        if self.limits != ModuleLimits():
+            out.update(kv_max_schemas=self.limits.max_schemas,
+                       kv_max_pinned=self.limits.max_pinned)
         return out
 
     def check_block_size(self, block_size: int) -> None:
@@ -259,12 +299,19 @@ class EvictionConfig:
             raise EvictionConfigError(
                 f"{where}: {', '.join(sorted(asked))} given, but KV eviction is off on "
                 f"this server (start it with --kv-eviction)")
-        merged = self.to_dict()
-        merged.update(asked)
-        if "kv_budget" in asked and "kv_recent" not in asked:
-            merged["kv_recent"] = None  # the server's window was sized for its own budget
+        changes: dict[str, Any] = {}
         try:
-            cfg = EvictionConfig.from_dict(merged)
+            if "kv_budget" in asked:
+                changes["budget"] = _number("kv_budget", asked["kv_budget"])
+                changes["recent"] = None  # the server's window was sized for its own budget
+            if asked.get("kv_recent") is not None:
+                changes["recent"] = _number("kv_recent", asked["kv_recent"])
+            elif "kv_recent" in asked:
+                changes["recent"] = None
+            if "kv_prefill_cap" in asked:
+                changes["prefill_cap"] = _prefill_cap(asked["kv_prefill_cap"])
+            cfg = replace(self, **changes)
+            cfg._check()
         except EvictionConfigError as e:
             # Name the request's field, not the server flag the parser names.
             msg = re.sub(r"--kv-[a-z]+ \(additional_config\['(kv_\w+)'\]\)", r"\1", str(e))
@@ -360,6 +407,18 @@ def parse_bytes(key: str, value: Any) -> int:
     return size
 
 
+def _prefill_cap(cap: Any) -> int | None:
+    """--kv-prefill-cap: a token count >= 0, or None / 'auto' (the default)."""
+    given = cap
+    if isinstance(cap, str):
+        text = cap.strip().lower()
+        cap = None if text in ("", "none", "auto") else int(text) if text.isdigit() else cap
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+        raise EvictionConfigError(
+            f"{_flag('kv_prefill_cap')} must be a token count >= 0 or 'auto', got {given!r}")
+    return cap
+
+
 def _offload_settings(raw: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if raw.get("kv_swap_space") is not None:
@@ -388,39 +447,3 @@ def _offload_settings(raw: dict[str, Any]) -> dict[str, Any]:
         # Absolute: workers may run with another working directory.
         out["skewing"] = os.path.abspath(os.path.expanduser(str(raw["kv_skewing"])))
     return out
-
-
-@dataclass(frozen=True)
-class ModuleLimits:
-    """What clients may pin through the prompt-module schema routes
-    (integration/server_routes.py; offline `register_schema` is not limited).
-
-    max_schemas: schemas registered at once in one API server process (each
-                 has its own registry); 0 turns registration off.
-    max_pinned:  share of the engine's KV block pool that module blocks may
-                 hold, in (0, 1]; the rest stays free for requests.
-    """
-
-    max_schemas: int = 64
-    max_pinned: float = 0.5
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any] | None) -> "ModuleLimits":
-        """Parse `kv_max_schemas` / `kv_max_pinned` of `additional_config`."""
-        raw = raw or {}
-        count = raw.get("kv_max_schemas", cls.max_schemas)
-        if isinstance(count, str) and count.strip().isdigit():
-            count = int(count)
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise EvictionConfigError(
-                f"{_flag('kv_max_schemas')} must be a schema count >= 0, got {count!r}")
-        share = raw.get("kv_max_pinned", cls.max_pinned)
-        try:
-            share = _number("kv_max_pinned", share)
-            if share > 1:  # _number reads 2 as a token count
-                raise EvictionConfigError
-        except EvictionConfigError:
-            raise EvictionConfigError(
-                f"{_flag('kv_max_pinned')} must be a share of the KV pool in (0, 1] "
-                f"(0.5 or 50%), got {share!r}") from None
-        return cls(max_schemas=count, max_pinned=float(share))

@@ -1,6 +1,5 @@
 """What the CPU and CUDA attention wrappers share, free of either backend.
 
-  eviction_config  the EvictionConfig of the engine being built
   physical_view    attention metadata with physical seq_lens / slot mapping
   physical_metadata  the same, for the rows of the worker's current batch
   evictable_spec   the KV spec swap that gives the scheduler our block manager
@@ -15,7 +14,7 @@ Host-device synchronisations (tests/test_cuda_syncs.py counts them): none of
 these reads a GPU value on the host. What Python control flow needs comes from
 vLLM's host copies (``query_start_loc_cpu``, ``seq_lens_cpu_upper_bound``, exact
 without async scheduling, which eviction turns off) and the worker state's own
-per-request counts; small host tensors go up with `kernels.upload`.
+per-request counts; small host tensors go up with `kernel_dispatch.upload`.
 """
 
 from __future__ import annotations
@@ -24,10 +23,8 @@ from dataclasses import replace
 from typing import NamedTuple
 
 import torch
-from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionType
 
-from vllm_kvevict.core.config import EvictionConfig
 from vllm_kvevict.core.kernel_dispatch import triton_module, upload, use_triton
 from vllm_kvevict.core.scores import accumulate_scores
 from vllm_kvevict.integration.worker import worker_state
@@ -47,11 +44,6 @@ class HostLens(NamedTuple):
 def host_lens(cm) -> HostLens:
     """The host copies CommonAttentionMetadata carries; reads nothing from the GPU."""
     return HostLens(cm.query_start_loc_cpu, cm.seq_lens_cpu_upper_bound)
-
-
-def eviction_config(vllm_config=None) -> EvictionConfig:
-    vllm_config = vllm_config or get_current_vllm_config()
-    return EvictionConfig.from_dict(vllm_config.additional_config or {})
 
 
 def physical_view(cm, evicted: torch.Tensor, block_size: int):
@@ -109,7 +101,7 @@ def evictable_spec(spec):
         return spec
     cfg = state.cfg
     fields = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
-    return EvictableAttentionSpec(**fields, eviction=tuple(sorted(cfg.to_dict().items())))
+    return EvictableAttentionSpec(**fields, eviction=cfg)
 
 
 def write_kv(impl, layer, key, value, kv_cache, attn_metadata) -> None:

@@ -32,12 +32,12 @@ from vllm_kvevict.integration.attention_common import (
     PLACEMENT_ATTR,
     SCORED_ATTR,
     evictable_spec,
-    eviction_config,
     physical_metadata,
     score_step,
     write_kv,
 )
 from vllm_kvevict.integration.offload_attention import host_decode
+from vllm_kvevict.integration.settings import eviction_config
 from vllm_kvevict.integration.worker import init_worker_state, worker_state
 
 

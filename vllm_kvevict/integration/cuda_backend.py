@@ -57,13 +57,13 @@ from vllm_kvevict.integration.attention_common import (
     PLACEMENT_ATTR,
     SCORED_ATTR,
     evictable_spec,
-    eviction_config,
     fused_decode,
     host_lens,
     physical_metadata,
     score_step,
     write_kv,
 )
+from vllm_kvevict.integration.settings import eviction_config
 from vllm_kvevict.integration.worker import init_worker_state, worker_state
 
 

@@ -31,7 +31,7 @@ import threading
 import uuid
 from collections.abc import Callable
 
-from vllm_kvevict.core.config import EvictionConfig, ModuleLimits
+from vllm_kvevict.core.config import ModuleLimits
 from vllm_kvevict.core.pml import PMLError, find_prompt, parse_prompt, parse_schema
 from vllm_kvevict.core.prompt_layout import (
     SALT_PREFIX,
@@ -41,6 +41,7 @@ from vllm_kvevict.core.prompt_layout import (
     salt,
 )
 from vllm_kvevict.integration.module_store import LAYOUT_KEY, layout_problem
+from vllm_kvevict.integration.settings import eviction_config
 
 # Layouts are only accepted from this process's own code: a client that sends
 # `vllm_xargs: {"kvevict_layout": ...}` could otherwise pin or read any blocks.
@@ -96,7 +97,7 @@ def check_limits(limits: ModuleLimits, name: str, *, registered: int, pinned: in
 
 
 def _check_engine(vllm_config) -> None:
-    if EvictionConfig.from_dict(vllm_config.additional_config).policy == "h2o":
+    if eviction_config(vllm_config).policy == "h2o":
         raise PMLError("prompt modules do not work with --kv-eviction h2o: H2O accumulates "
                        "scores per KV slot, and a shared block would mix every importer's "
                        "scores; use streaming, snapkv or andpro")

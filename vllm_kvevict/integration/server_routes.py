@@ -21,9 +21,9 @@ from __future__ import annotations
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from vllm_kvevict.core.config import ModuleLimits
 from vllm_kvevict.core.pml import PMLError
 from vllm_kvevict.integration import prompt_modules as pm
+from vllm_kvevict.integration.settings import eviction_config
 
 router = APIRouter(prefix="/v1/kvevict")
 
@@ -47,7 +47,7 @@ async def register(request: Request):
     if not isinstance(pml, str):
         return _error(400, "body must be JSON: {\"pml\": \"<schema ...>\"}")
     engine = request.app.state.engine_client
-    limits = ModuleLimits.from_dict(engine.vllm_config.additional_config)
+    limits = eviction_config(engine.vllm_config).limits
     try:
         summary = await pm.register_schema_async(engine, pml, limits)
     except PMLError as e:

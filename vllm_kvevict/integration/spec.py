@@ -34,8 +34,8 @@ from vllm_kvevict.integration.module_store import layout_of
 
 @dataclass(frozen=True, kw_only=True)
 class EvictableAttentionSpec(FullAttentionSpec):
-    # The eviction settings as a sorted tuple of items: hashable and picklable.
-    eviction: tuple[tuple[str, Any], ...] = ()
+    # The engine's eviction settings: frozen, so hashable and picklable.
+    eviction: EvictionConfig = EvictionConfig()
 
     @classmethod
     def merge(cls, specs: list["EvictableAttentionSpec"]) -> "EvictableAttentionSpec":
@@ -43,17 +43,13 @@ class EvictableAttentionSpec(FullAttentionSpec):
         assert len({s.eviction for s in specs}) == 1, "layers disagree on eviction"
         return replace(super().merge(specs), eviction=specs[0].eviction)
 
-    @property
-    def eviction_config(self) -> EvictionConfig:
-        return EvictionConfig.from_dict(dict(self.eviction))
-
     def max_memory_usage_bytes(self, vllm_config) -> int:
         """A request needs at most budget + block + one prefill chunk: it holds
         its whole prompt only while the pool has room, and is compacted between
         chunks when not (planner.py), so a pool smaller than max_model_len can
         still serve max_model_len."""
         full = super().max_memory_usage_bytes(vllm_config)
-        cap = admission_blocks(self.eviction_config, self.block_size,
+        cap = admission_blocks(self.eviction, self.block_size,
                                vllm_config.scheduler_config.max_num_batched_tokens)
         return full if cap is None else min(full, cap * self.page_size_bytes)
 
@@ -81,7 +77,7 @@ class EvictableAttentionManager(FullAttentionManager):
 
     def __init__(self, kv_cache_spec: EvictableAttentionSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
-        self.cfg = kv_cache_spec.eviction_config
+        self.cfg = kv_cache_spec.eviction
         self.evicted: dict[str, int] = {}  # req_id -> logical - physical
         self.pending: list[CompactionPlan] = []
         self.released: list[str] = []  # freed since the last take_plans()
