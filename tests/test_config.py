@@ -3,6 +3,7 @@
 import pytest
 
 from vllm_kvevict.core.config import EvictionConfig, EvictionConfigError
+from vllm_kvevict.core.policies import H2OPolicy, StreamingPolicy, make_policy
 
 
 @pytest.mark.parametrize("raw, flag", [
@@ -64,11 +65,11 @@ def test_window_policies_keep_their_window_while_it_fits():
 
 def test_offload_settings():
     ig = EvictionConfig.from_dict({"kv_eviction": "infinigen"})
-    assert ig.offload and ig.swap_bytes == 4 << 30 and ig.resident_policy == "streaming"
+    assert ig.offload and ig.swap_bytes == 4 << 30 and type(make_policy(ig.policy)) is StreamingPolicy
     assert (ig.alpha, ig.prefetch, ig.partial, ig.host_victim) == (4.0, 0.2, 0.3, "counter")
     h2o = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_swap_space": "512MiB",
                                     "kv_host_victim": "LRU", "kv_alpha": "5"})
-    assert h2o.offload and h2o.swap_bytes == 512 << 20 and h2o.resident_policy == "h2o"
+    assert h2o.offload and h2o.swap_bytes == 512 << 20 and type(make_policy(h2o.policy)) is H2OPolicy
     assert (h2o.host_victim, h2o.alpha) == ("lru", 5.0)
     assert EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_swap_space": "1.5g"}
                                     ).swap_bytes == 3 << 29

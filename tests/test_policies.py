@@ -1,5 +1,6 @@
 """Selection rules of the policies and the planner, on plain tensors."""
 
+import pytest
 import torch
 
 from vllm_kvevict.core.config import EvictionConfig
@@ -57,3 +58,23 @@ def test_never_compacts_only_when_the_whole_request_fits_a_token_budget():
     frac = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 0.5})
     assert not never_compacts(frac, 10, 10)  # a fraction of the length always bites
     assert not never_compacts(EvictionConfig(), 10, 10)  # eviction off
+
+
+def test_each_policy_declares_what_it_needs():
+    """The plugin reads these declarations, not policy names (core/policies.py)."""
+    from vllm_kvevict.core.config import POLICIES as CHOICES
+    from vllm_kvevict.core.policies import POLICIES, make_policy
+
+    assert CHOICES == ("none", *POLICIES)  # --kv-eviction offers every registered policy
+    declared = {name: (make_policy(name, sink=2, window=16).needs_scores,
+                       make_policy(name, sink=2, window=16).window,
+                       make_policy(name, sink=2, window=16).shares_blocks,
+                       make_policy(name, sink=2, window=16).reads_own_prefill)
+                for name in POLICIES}
+    assert declared == {"h2o": (True, 0, False, True), "streaming": (False, 0, True, False),
+                        "snapkv": (False, 16, True, True), "andpro": (False, 16, True, True),
+                        "infinigen": (False, 0, True, False)}
+    assert make_policy("infinigen", sink=2).sink == 2  # sinks + recent stay resident
+    assert [POLICIES[n].default_recent(256, 32) for n in ("h2o", "snapkv")] == [128, 32]
+    with pytest.raises(ValueError, match="no eviction policy named 'lru'"):
+        make_policy("lru")

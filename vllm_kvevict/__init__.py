@@ -8,12 +8,19 @@ the patches listed in `vllm_kvevict.patches`.
 
 from __future__ import annotations
 
-from vllm_kvevict.core.config import EvictionConfig, EvictionConfigError
-
 __all__ = ["EvictionConfig", "EvictionConfigError", "register"]
 
 VLLM_VERSION = "0.32.0"  # keep in step with pyproject.toml's pin
 _registered = False
+
+
+def __getattr__(name: str):
+    # Lazily: `import vllm_kvevict.eval.tasks` (the kvpress venv) must not import torch.
+    if name in ("EvictionConfig", "EvictionConfigError"):
+        from vllm_kvevict.core import config
+
+        return getattr(config, name)
+    raise AttributeError(f"module 'vllm_kvevict' has no attribute {name!r}")
 
 
 def _check_vllm_version() -> None:

@@ -16,8 +16,10 @@ import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-POLICIES = ("none", "h2o", "streaming", "snapkv", "andpro", "infinigen")
-WINDOW_POLICIES = ("snapkv", "andpro")  # scored by their last `window` queries
+from vllm_kvevict.core.policies import POLICIES as POLICY_CLASSES
+from vllm_kvevict.core.policies import EvictionPolicy
+
+POLICIES = ("none", *POLICY_CLASSES)  # --kv-eviction choices
 VICTIMS = ("counter", "lru", "fifo")  # host-pool victim policies (host_pool.py)
 DEFAULT_SWAP_SPACE = 4 << 30  # host pool bytes under infinigen when not given
 
@@ -181,11 +183,6 @@ class EvictionConfig:
     @property
     def swap_bytes(self) -> int:
         return self.swap_space or (DEFAULT_SWAP_SPACE if self.offload else 0)
-
-    @property
-    def resident_policy(self) -> str:
-        """The policy that chooses which tokens stay resident."""
-        return "streaming" if self.policy == "infinigen" else self.policy
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> "EvictionConfig":
@@ -373,11 +370,10 @@ class EvictionConfig:
     def recent_tokens(self, budget: int, length: int) -> int:
         """Size of the always-kept recent window for a given budget."""
         if self.recent is None:
-            # snapkv/andpro keep their observation window (as the papers do)
-            # while it is at most half the budget; H2O splits the budget evenly.
-            if self.policy in WINDOW_POLICIES:
-                return min(self.window, budget // 2)
-            return budget // 2
+            # H2O splits the budget evenly; snapkv/andpro keep their observation
+            # window (as the papers do) while it is at most half the budget.
+            return POLICY_CLASSES.get(self.policy, EvictionPolicy).default_recent(
+                budget, self.window)
         if isinstance(self.recent, int):
             return min(self.recent, budget)
         return min(budget, math.ceil(self.recent * length))

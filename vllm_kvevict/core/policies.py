@@ -10,24 +10,63 @@ filled holes, through the request's slot order), so "the last r" are the r most
 recent tokens and "the first s" the oldest; the indices returned are positions
 in that order. Every head keeps the same count, which is what lets the stock paged
 attention kernels read the compacted cache unchanged.
+
+Each policy declares what it needs from the engine, and the rest of the plugin
+reads those declarations, never the policy's name (in the spirit of kvpress's
+presses). Adding a policy is one class here, one line in `POLICIES`, and tests:
+  needs_scores   accumulate attention into a per-slot score buffer at every
+                 step (prefill and decode), as H2O does;
+  window         > 0: scored at each compaction by the last `window` queries
+                 (`scores`), which the worker keeps for it;
+  shares_blocks  may compact a request whose blocks other requests read
+                 (prompt modules): False where per-slot state would mix
+                 requests (H2O's accumulated scores live at the slots).
+A request whose policy reads its own prefill (needs_scores or window) never
+takes prompt blocks from vLLM's prefix cache (integration/spec.py).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import torch
 
-from vllm_kvevict.core.config import WINDOW_POLICIES
+
+def recent_plus_top_scored(scores: torch.Tensor, keep: int, recent: int) -> torch.Tensor:
+    """The `recent` newest tokens plus the `keep - recent` older tokens with the
+    largest scores: (H, n) -> (H, keep) ascending indices."""
+    num_heads, n = scores.shape
+    assert 0 <= recent <= keep <= n, (recent, keep, n)
+    tail = torch.arange(n - recent, n, device=scores.device).expand(num_heads, -1)
+    heavy = torch.topk(scores[:, : n - recent], keep - recent, dim=1).indices
+    return torch.cat([heavy, tail], dim=1).sort(dim=1).values
 
 
 class EvictionPolicy(ABC):
-    needs_scores: bool = True  # accumulates attention into the per-slot score buffer
-    window: int = 0  # > 0: scores come from the last `window` queries at compaction
+    name: ClassVar[str]
+    needs_scores: ClassVar[bool] = False
+    shares_blocks: ClassVar[bool] = True
+    window: int = 0
 
     @abstractmethod
     def select(self, scores: torch.Tensor, keep: int, recent: int) -> torch.Tensor:
         """(H, n) scores -> (H, keep) ascending kept slot indices."""
+
+    @classmethod
+    def build(cls, sink: int, window: int) -> "EvictionPolicy":
+        """The policy with the settings it takes (--kv-sink, --kv-window)."""
+        return cls()
+
+    @classmethod
+    def default_recent(cls, budget: int, window: int) -> int:
+        """The recent window inside `budget` when --kv-recent is not given."""
+        return budget // 2
+
+    @property
+    def reads_own_prefill(self) -> bool:
+        """Scores come from this request's own forward passes over its prompt."""
+        return self.needs_scores or self.window > 0
 
 
 class H2OPolicy(EvictionPolicy):
@@ -36,24 +75,29 @@ class H2OPolicy(EvictionPolicy):
     Keeps the `recent` newest tokens plus the `keep - recent` older tokens with
     the largest accumulated attention (summed over the query heads of each KV
     head's GQA group). Evicting in one batch of many tokens equals running the
-    paper's one-at-a-time greedy step repeatedly with frozen scores.
+    paper's one-at-a-time greedy step repeatedly with frozen scores. The
+    default split is the paper's: half heavy hitters, half recent.
     """
 
+    name = "h2o"
+    needs_scores = True
+    shares_blocks = False  # the accumulated scores live at the (shared) slots
+
     def select(self, scores: torch.Tensor, keep: int, recent: int) -> torch.Tensor:
-        num_heads, n = scores.shape
-        assert 0 <= recent <= keep <= n, (recent, keep, n)
-        tail = torch.arange(n - recent, n, device=scores.device).expand(num_heads, -1)
-        heavy = torch.topk(scores[:, : n - recent], keep - recent, dim=1).indices
-        return torch.cat([heavy, tail], dim=1).sort(dim=1).values
+        return recent_plus_top_scored(scores, keep, recent)
 
 
 class StreamingPolicy(EvictionPolicy):
     """StreamingLLM (Xiao et al. 2023): the first `sink` tokens + the newest ones."""
 
-    needs_scores = False
+    name = "streaming"
 
-    def __init__(self, sink: int) -> None:
+    def __init__(self, sink: int = 4) -> None:
         self.sink = sink
+
+    @classmethod
+    def build(cls, sink: int, window: int) -> "StreamingPolicy":
+        return cls(sink)
 
     def select(self, scores: torch.Tensor, keep: int, recent: int) -> torch.Tensor:
         num_heads, n = scores.shape
@@ -62,25 +106,33 @@ class StreamingPolicy(EvictionPolicy):
         return idx.to(scores.device).expand(num_heads, -1).contiguous()
 
 
-class WindowPolicy(H2OPolicy):
-    """SnapKV (Li et al. 2024) and AnDPro (anchor direction projection): at each
-    compaction, the last `window` queries score every resident token
-    (`vllm_kvevict.core.window_scores`), and the kept set is the recent tokens (the
-    window itself, unless the budget is under two windows: then half the
-    budget) plus the best-scored older ones, as H2O selects.
+class WindowPolicy(EvictionPolicy):
+    """Scored by an observation window (SnapKV, AnDPro): at each compaction, the
+    last `window` queries score every resident token
+    (`vllm_kvevict.core.window_scores`), and the kept set is the recent tokens
+    (the window itself, unless the budget is under two windows: then half the
+    budget) plus the best-scored older ones.
 
-    The paper compresses the prompt once; here the same rule runs at every
-    compaction: between prompt chunks and, during decode, once per block of new
-    tokens, with the latest `window` tokens (prompt or generated) as the window.
-    Every KV head keeps the same count: the paper's cross-head budget
-    allocation (Ada-KV style) needs a per-head length the stock kernels lack.
+    The papers compress the prompt once, after it is read; here the same rule
+    also runs during decode, once per block of new tokens, with the latest
+    `window` tokens (prompt or generated) as the window. Every KV head keeps the
+    same count: the papers' cross-head budget allocation (Ada-KV style) needs a
+    per-head length the stock kernels lack.
     """
 
-    needs_scores = False
-
-    def __init__(self, kind: str, window: int) -> None:
-        self.kind = kind
+    def __init__(self, window: int = 32) -> None:
         self.window = window
+
+    @classmethod
+    def build(cls, sink: int, window: int) -> "WindowPolicy":
+        return cls(window)
+
+    def select(self, scores: torch.Tensor, keep: int, recent: int) -> torch.Tensor:
+        return recent_plus_top_scored(scores, keep, recent)
+
+    @classmethod
+    def default_recent(cls, budget: int, window: int) -> int:
+        return min(window, budget // 2)  # the papers keep their window
 
     def scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float, recent: int | None = None) -> torch.Tensor:
@@ -88,14 +140,33 @@ class WindowPolicy(H2OPolicy):
         `recent` newest tokens (default: the window) are the ones always kept."""
         from vllm_kvevict.core.window_scores import window_scores
 
-        return window_scores(self.kind, q, k, v, scale, recent)
+        return window_scores(self.name, q, k, v, scale, recent)
+
+
+class SnapKVPolicy(WindowPolicy):
+    """SnapKV (Li et al. 2024): a token's score is the attention the window's
+    queries give it, pooled."""
+
+    name = "snapkv"
+
+
+class AnDProPolicy(WindowPolicy):
+    """AnDPro (anchor direction projection): a token's score is its weighted
+    value's projection on the pre-eviction output, a_i * <y, v_i>, pooled."""
+
+    name = "andpro"
+
+
+# --kv-eviction name -> the policy that decides what stays resident. infinigen
+# keeps StreamingLLM's sinks + recent window resident and offloads the rest.
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    "h2o": H2OPolicy, "streaming": StreamingPolicy, "snapkv": SnapKVPolicy,
+    "andpro": AnDProPolicy, "infinigen": StreamingPolicy,
+}
 
 
 def make_policy(name: str, sink: int = 4, window: int = 32) -> EvictionPolicy:
-    if name == "h2o":
-        return H2OPolicy()
-    if name in ("streaming", "infinigen"):  # infinigen: sinks + recent stay resident
-        return StreamingPolicy(sink)
-    if name in WINDOW_POLICIES:
-        return WindowPolicy(name, window)
-    raise ValueError(f"no eviction policy named {name!r}")
+    """The policy `--kv-eviction name` runs, with the settings it takes."""
+    if name not in POLICIES:
+        raise ValueError(f"no eviction policy named {name!r}")
+    return POLICIES[name].build(sink, window)

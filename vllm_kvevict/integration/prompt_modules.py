@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 from vllm_kvevict.core.config import ModuleLimits
 from vllm_kvevict.core.pml import PMLError, find_prompt, parse_prompt, parse_schema
+from vllm_kvevict.core.policies import POLICIES
 from vllm_kvevict.core.prompt_layout import (
     SALT_PREFIX,
     SchemaLayout,
@@ -97,10 +98,12 @@ def check_limits(limits: ModuleLimits, name: str, *, registered: int, pinned: in
 
 
 def _check_engine(vllm_config) -> None:
-    if eviction_config(vllm_config).policy == "h2o":
-        raise PMLError("prompt modules do not work with --kv-eviction h2o: H2O accumulates "
-                       "scores per KV slot, and a shared block would mix every importer's "
-                       "scores; use streaming, snapkv or andpro")
+    cfg = eviction_config(vllm_config)
+    if cfg.enabled and not POLICIES[cfg.policy].shares_blocks:
+        sharing = ", ".join(n for n, c in POLICIES.items() if c.shares_blocks)
+        raise PMLError(f"prompt modules do not work with --kv-eviction {cfg.policy}: it keeps "
+                       f"state per KV slot (H2O's accumulated scores), and a shared block "
+                       f"would mix every importer's; use one of {sharing}")
     if not vllm_config.cache_config.enable_prefix_caching:
         raise PMLError("prompt modules reuse blocks through vLLM's prefix-cache path: "
                        "start the engine without --no-enable-prefix-caching")
