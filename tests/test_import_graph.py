@@ -152,3 +152,23 @@ def test_config_parsed_in_one_place():
                     and node.func.attr == "from_dict"):
                 callers.append(name)
     assert callers == ["vllm_kvevict.integration.settings"], callers
+
+
+def test_private_vllm_names_outside_patches_are_in_the_ledger():
+    """A private attribute of a vLLM object used in the vLLM layer (read, called
+    or stamped; `self._x` of our own classes aside) is listed in the ledger of
+    patches/__init__.py with its reason."""
+    ledger = MODULES["vllm_kvevict.patches"].read_text()
+    own = {"_flag", "_parse", "_number", "_check"}  # our own helpers, reached via modules
+    missing = set()
+    for name, path in MODULES.items():
+        if not _within(name, ("vllm_kvevict.integration",)):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                    and not node.attr.startswith("__") and node.attr not in own
+                    and not (isinstance(node.value, ast.Name)
+                             and node.value.id in ("self", "cls", "state", "worker"))
+                    and node.attr not in ledger):
+                missing.add(f"{path.relative_to(ROOT)}: .{node.attr}")
+    assert not missing, sorted(missing)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __all__ = ["EvictionConfig", "EvictionConfigError", "register"]
 
-VLLM_VERSION = "0.32.0"  # keep in step with pyproject.toml's pin
+VLLM_VERSION = "0.32.0"  # the one vLLM pin: scripts/setup.sh installs it, register() checks it
 _registered = False
 
 
