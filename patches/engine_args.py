@@ -74,8 +74,9 @@ _HELP = {
                      "infinigen, else no offload.",
     "kv_alpha": "Offload: fetch the host entries whose partial attention logit is "
                 "above max - alpha (InfiniGen's threshold). Default: 4.",
-    "kv_prefetch": "Offload: at most this fraction of a request's tokens attended per "
-                   "decode step (InfiniGen's 20%% cap). Default: 0.2.",
+    "kv_attend_cap": "Offload: at most this fraction of a request's tokens attended "
+                     "per decode step, resident and fetched (InfiniGen's 20%% cap). "
+                     "Default: 0.2.",
     "kv_partial": "Offload: fraction of the head dimension in the skewed partial "
                   "query/key that predicts attention. Default: 0.3.",
     "kv_host_victim": "Offload: which block the full host pool drops: counter "

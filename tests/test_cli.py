@@ -50,7 +50,7 @@ def test_help_shows_each_flag_with_its_default(parser, capsys):
                           ("--kv-recent", "Default: half the budget;"),
                           ("--kv-sink", "Default: 4."), ("--kv-window", "Default: 32."),
                           ("--kv-swap-space", "Default: 4GiB under infinigen"),
-                          ("--kv-alpha", "Default: 4."), ("--kv-prefetch", "Default: 0.2."),
+                          ("--kv-alpha", "Default: 4."), ("--kv-attend-cap", "Default: 0.2."),
                           ("--kv-partial", "Default: 0.3."),
                           ("--kv-host-victim", "Default: counter.")):
         start = text.index(f"\n  {flag} ")

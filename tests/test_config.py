@@ -22,7 +22,9 @@ from vllm_kvevict.core.policies import H2OPolicy, StreamingPolicy, make_policy
     ({"kv_eviction": "infinigen", "kv_swap_space": 0}, "--kv-swap-space"),
     ({"kv_eviction": "infinigen", "kv_alpha": 0}, "--kv-alpha"),
     ({"kv_eviction": "infinigen", "kv_alpha": "x"}, "--kv-alpha"),
-    ({"kv_eviction": "infinigen", "kv_prefetch": 1.5}, "--kv-prefetch"),
+    ({"kv_eviction": "infinigen", "kv_attend_cap": 1.5}, "--kv-attend-cap"),
+    ({"kv_eviction": "h2o", "kv_prefetch": 0.2}, "kv_prefetch is now kv_attend_cap"),
+    ({"kv_eviction": "h2o", "kv_budjet": 256}, "unknown setting.*kv_budjet"),
     ({"kv_eviction": "infinigen", "kv_partial": 0}, "--kv-partial"),
     ({"kv_eviction": "infinigen", "kv_host_victim": "random"}, "--kv-host-victim"),
 ])
@@ -66,7 +68,7 @@ def test_window_policies_keep_their_window_while_it_fits():
 def test_offload_settings():
     ig = EvictionConfig.from_dict({"kv_eviction": "infinigen"})
     assert ig.offload and ig.swap_bytes == 4 << 30 and type(make_policy(ig.policy)) is StreamingPolicy
-    assert (ig.alpha, ig.prefetch, ig.partial, ig.host_victim) == (4.0, 0.2, 0.3, "counter")
+    assert (ig.alpha, ig.attend_cap, ig.partial, ig.host_victim) == (4.0, 0.2, 0.3, "counter")
     h2o = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_swap_space": "512MiB",
                                     "kv_host_victim": "LRU", "kv_alpha": "5"})
     assert h2o.offload and h2o.swap_bytes == 512 << 20 and type(make_policy(h2o.policy)) is H2OPolicy

@@ -51,7 +51,7 @@ def test_fetching_everything_back_is_token_identical_to_stock(engines, stock, re
     req_to_blocks holds at most the budget's blocks, most KV lives on the host
     tier, and both tiers are empty once the requests are done."""
     extra = {"kv_eviction": resident, "kv_budget": BUDGET, "kv_alpha": "inf",
-             "kv_prefetch": 1.0, "kv_swap_space": "256MiB"}
+             "kv_attend_cap": 1.0, "kv_swap_space": "256MiB"}
     ids, stats, probe, left = _run(engines, extra, PROMPTS, greedy(STOCK_TOKENS, ignore_eos=True))
     assert ids == stock
     assert probe.max_blocks_per_request <= max_blocks_per_request(BUDGET, 32)

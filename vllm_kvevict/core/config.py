@@ -33,7 +33,7 @@ FLAGS = {
     "kv_prefill_cap": "--kv-prefill-cap",
     "kv_swap_space": "--kv-swap-space",
     "kv_alpha": "--kv-alpha",
-    "kv_prefetch": "--kv-prefetch",
+    "kv_attend_cap": "--kv-attend-cap",
     "kv_partial": "--kv-partial",
     "kv_host_victim": "--kv-host-victim",
     "kv_skewing": "--kv-skewing",
@@ -141,8 +141,8 @@ class EvictionConfig:
     chooses what stays resident).
     swap_space: host pool bytes per worker (None: 4 GiB under infinigen, else
              no offload).
-    alpha:   prefetch tokens whose partial logit is above max - alpha.
-    prefetch: cap on the tokens attended per step, as a fraction of the
+    alpha:   fetch host entries whose partial logit is above max - alpha.
+    attend_cap: cap on the tokens attended per step, as a fraction of the
              request's length (the paper's 20 %).
     partial: fraction of the head dimension in the partial query/key (30 %).
     host_victim: "counter" (the paper), "lru" or "fifo".
@@ -164,7 +164,7 @@ class EvictionConfig:
     window: int = 32
     swap_space: int | None = None
     alpha: float = 4.0
-    prefetch: float = 0.2
+    attend_cap: float = 0.2
     partial: float = 0.3
     host_victim: str = "counter"
     skewing: str | None = None
@@ -192,6 +192,13 @@ class EvictionConfig:
                 f"--additional-config must be a JSON object such as "
                 f"'{{\"kv_eviction\": \"h2o\"}}', got {raw!r}")
         raw = dict(raw or {})
+        unknown = sorted(k for k in raw if k.startswith("kv_") and k not in FLAGS)
+        if unknown:
+            renamed = {"kv_prefetch": "kv_attend_cap (--kv-attend-cap)"}
+            hints = "".join(f"; {k} is now {renamed[k]}" for k in unknown if k in renamed)
+            raise EvictionConfigError(
+                f"additional_config: unknown setting(s) {', '.join(unknown)}{hints}; "
+                f"known: {', '.join(FLAGS)}")
         policy = str(raw.get("kv_eviction") or "none").strip().lower()
         if policy not in POLICIES:
             raise EvictionConfigError(
@@ -241,7 +248,7 @@ class EvictionConfig:
                "kv_recent": d["recent"], "kv_sink": d["sink"], "kv_window": d["window"]}
         if self.offload:  # keep the old keys (and spec hashes) for the other policies
             out.update(kv_swap_space=self.swap_bytes, kv_alpha=self.alpha,
-                       kv_prefetch=self.prefetch, kv_partial=self.partial,
+                       kv_attend_cap=self.attend_cap, kv_partial=self.partial,
                        kv_host_victim=self.host_victim)
             if self.skewing:
                 out["kv_skewing"] = self.skewing
@@ -419,7 +426,7 @@ def _offload_settings(raw: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if raw.get("kv_swap_space") is not None:
         out["swap_space"] = parse_bytes("kv_swap_space", raw["kv_swap_space"])
-    for key, lo, hi in (("kv_alpha", 0.0, math.inf), ("kv_prefetch", 0.0, 1.0),
+    for key, lo, hi in (("kv_alpha", 0.0, math.inf), ("kv_attend_cap", 0.0, 1.0),
                         ("kv_partial", 0.0, 1.0)):
         if raw.get(key) is None:
             continue

@@ -126,7 +126,7 @@ class DecodeRows:
         total = torch.tensor([int(s) + host.num_entries(r)
                               for s, r in zip(self.seq.tolist(), self.ids)])
         self.total = total  # (R,) resident + host tokens
-        self.cap = (total.float() * state.cfg.prefetch).ceil().long()
+        self.cap = (total.float() * state.cfg.attend_cap).ceil().long()
 
     def resident(self, kv_cache, layout) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v (R, H, S, D) of one layer's resident cache."""
