@@ -10,7 +10,7 @@ generated key and value"), so slot order is arbitrary. An evicted block is
 gone: a later prefetch of it is a miss (its tokens can no longer be attended),
 which is why the victim policy matters for accuracy.
 
-Victim policies (:func:`make_policy`):
+Victim policies (:func:`make_victim_policy`):
 
   counter  the paper's choice. A counter per entry, +1 on each prefetch hit;
            when one reaches ``2**bits - 1`` every counter is halved. The victim
@@ -155,7 +155,7 @@ class CounterPolicy(VictimPolicy):
 POLICIES = {"counter": CounterPolicy, "lru": LRUPolicy, "fifo": FIFOPolicy}
 
 
-def make_policy(name: str, **kwargs) -> VictimPolicy:
+def make_victim_policy(name: str, **kwargs) -> VictimPolicy:
     try:
         cls = POLICIES[name]
     except KeyError:
@@ -229,7 +229,7 @@ class HostKVPool:
             raise ValueError(f"capacity must be >= 1 block, got {capacity}")
         self.capacity = int(capacity)
         if isinstance(policy, str):
-            policy = make_policy(policy, **({"bits": counter_bits} if policy == "counter" else {}))
+            policy = make_victim_policy(policy, **({"bits": counter_bits} if policy == "counter" else {}))
         self.policy = policy
         self.slab: torch.Tensor | None = None
         if block_shape is not None:

@@ -1,3 +1,3 @@
 """The thin layer that talks to vLLM 0.32: spec + block manager (scheduler side),
 attention backend + compaction (worker side), and the plans that travel between.
-Everything below it (config, policies, planner, kv_layout) is vLLM-free."""
+Everything below it (vllm_kvevict.core) is vLLM-free."""
