@@ -283,3 +283,14 @@ def test_compact_device_agnostic():
         compact(lay, kc, vc, src, dst, keep)
         move_scores(scores, src_slots, dst_slots, keep)
     assert spy.ops == []
+
+
+def test_both_layouts_implement_the_protocol():
+    """The worker, the score path and compaction see one interface
+    (core/layout.py); both caches' adapters provide all of it."""
+    from vllm_kvevict.core.layout import KVCacheLayout
+    from vllm_kvevict.integration.cpu_backend import discover_layout
+
+    assert isinstance(NHDLayout(16, 2, 8, torch.float32), KVCacheLayout)
+    assert isinstance(discover_layout("vec", torch.float32, 16, 64, 2), KVCacheLayout)
+    assert not isinstance(object(), KVCacheLayout)

@@ -16,6 +16,8 @@ decode attention (the vLLM-free parts are in vllm_kvevict/core/offload.py).
                    for this layer (offload_connector.py) or, when speculation
                    missed them, from the host tier on demand
   host_prefetch    the connector's speculation for the next layer
+  OffloadState     the worker's offload state, one object
+                   (WorkerEviction.offload; None unless offload is on)
 
 Selection in host_decode uses the layer's own query; the paper's prediction
 from layer i-1's input only decides what is prefetched (offload.py says why).
@@ -25,11 +27,12 @@ from __future__ import annotations
 import logging
 import math
 import re
+from dataclasses import dataclass
 
 import torch
 
 from vllm_kvevict.core.host_tier import HostTier
-from vllm_kvevict.core.offload import decode_attention, speculate
+from vllm_kvevict.core.offload import Fetched, decode_attention, speculate
 
 logger = logging.getLogger("vllm_kvevict")
 
@@ -56,25 +59,37 @@ def check_skewing(vllm_config, cfg):
     return path
 
 
+@dataclass
+class OffloadState:
+    """What a worker keeps for offload between and within steps."""
+
+    model_dir: str  # whose skewing file host_tier loads
+    tier: HostTier | None = None  # made on first use (host_tier)
+    # The connector's speculation for the layer about to run: (row ids, fetched).
+    prefetched: tuple[list[str], Fetched] | None = None
+    decode_rows: DecodeRows | None = None  # the step's rows with host entries
+
+
 def host_tier(state, layout, dtype: torch.dtype) -> HostTier:
     """The worker's host tier, made on first use. Loads the skewing file and
     never computes it: that loads the whole model (calibrate.py does it offline)."""
-    if state.host is None:
+    off = state.offload
+    if off.tier is None:
         from vllm_kvevict.core import skewing, skewing_store
 
         cfg = state.cfg
-        path = skewing_store.locate(state.model_dir, cfg.partial, cfg.skewing)
+        path = skewing_store.locate(off.model_dir, cfg.partial, cfg.skewing)
         sk = skewing.Skewing.load(path).packed()
         h_total, h = sk.num_kv_heads, layout.num_kv_heads
         first = (_tp_rank() * h) % h_total  # this rank's KV heads
         a = sk.a[:, first:first + h]
         block_bytes = 2 * h * layout.block_size * layout.head_size * dtype.itemsize
         capacity = max(1, cfg.swap_bytes // (block_bytes * sk.num_layers) * sk.num_layers)
-        state.host = HostTier(capacity, cfg.host_victim, a, sk.num_partial, layout.block_size,
-                              dtype, pin_memory=torch.cuda.is_available())
+        off.tier = HostTier(capacity, cfg.host_victim, a, sk.num_partial, layout.block_size,
+                            dtype, pin_memory=torch.cuda.is_available())
         logger.info("vllm_kvevict: host tier of %d blocks (%.2f GiB), %d partial channels",
                     capacity, capacity * block_bytes / 2**30, sk.num_partial)
-    return state.host
+    return off.tier
 
 
 def evicted_entries(keep: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -99,15 +114,16 @@ class DecodeRows:
 
     @classmethod
     def of_step(cls, state, attn_metadata, layout) -> "DecodeRows":
-        rows = state.decode_rows
+        off = state.offload
+        rows = off.decode_rows
         if rows is None or rows.metadata is not attn_metadata:
-            rows = state.decode_rows = cls(state, attn_metadata, layout)
+            rows = off.decode_rows = cls(state, attn_metadata, layout)
         return rows
 
     def __init__(self, state, attn_metadata, layout) -> None:
         self.metadata = attn_metadata  # held, so `is` above cannot match a reused id
         self.ids: list[str] = []
-        host = state.host
+        host = state.offload.tier
         if host is None or not host.requests or state.runner is None:
             return
         qsl = attn_metadata.query_start_loc.cpu()
@@ -138,7 +154,8 @@ class DecodeRows:
 def host_decode(state, layer, query, kv_cache, attn_metadata, output, layout) -> None:
     """Replace the output rows of decode requests that have host entries."""
     rows = DecodeRows.of_step(state, attn_metadata, layout)
-    prefetched, state.prefetched = state.prefetched, None  # this layer's, used once
+    off = state.offload
+    prefetched, off.prefetched = off.prefetched, None  # this layer's, used once
     if not rows.ids:
         return
     if prefetched is not None and prefetched[0] != rows.ids:
@@ -149,7 +166,7 @@ def host_decode(state, layer, query, kv_cache, attn_metadata, output, layout) ->
     # Layer 0 attends its full cache, as in the paper: no layer before it to
     # speculate from, and its attention is the least skewed.
     alpha, cap = (math.inf, rows.total) if i == 0 else (state.cfg.alpha, rows.cap)
-    out = decode_attention(state.host, rows.ids, i, query[rows.tokens], k_res, v_res,
+    out = decode_attention(off.tier, rows.ids, i, query[rows.tokens], k_res, v_res,
                            rows.seq, alpha, cap, _scale(layer, d),
                            None if prefetched is None else prefetched[1])
     output.view(-1, hq, d)[rows.tokens] = out.to(output.dtype)
@@ -166,7 +183,7 @@ def host_prefetch(state, layer: int, predict, kv_cache, attn_metadata, layout, s
     if not rows.ids:
         return None
     k_res, _ = rows.resident(kv_cache, layout)
-    fetched = speculate(state.host, rows.ids, layer, predict(rows.tokens), k_res,
+    fetched = speculate(state.offload.tier, rows.ids, layer, predict(rows.tokens), k_res,
                         rows.seq - 1, state.cfg.alpha, rows.cap, scale)
     return rows.ids, fetched
 

@@ -119,17 +119,17 @@ class HostTierConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context, **kwargs) -> None:
         self._prefetched.clear()
         state = worker_state()
-        if state is None or state.runner is None:
+        if state is None or state.runner is None or state.offload is None:
             return
-        state.prefetched = None
+        state.offload.prefetched = None
         if self._capture is None:
             self._capture = InputCapture(state.runner.get_model())
         self._capture.inputs.clear()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         state = worker_state()
-        if state is not None:
-            state.prefetched = self._prefetched.pop(layer_index(layer_name), None)
+        if state is not None and state.offload is not None:
+            state.offload.prefetched = self._prefetched.pop(layer_index(layer_name), None)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
         state = worker_state()

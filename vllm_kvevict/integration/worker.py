@@ -31,11 +31,14 @@ from vllm_kvevict.core.host_tier import HostTier
 from vllm_kvevict.core.kernel_dispatch import triton_module, use_triton
 from vllm_kvevict.core.layer_stack import LayerCache, LayerStack
 from vllm_kvevict.core.metrics import Snapshot
-from vllm_kvevict.core.offload import Fetched
 from vllm_kvevict.core.plans import STEP_ATTR, CompactionPlan, EvictionStep
 from vllm_kvevict.core.policies import make_policy
 from vllm_kvevict.core.query_window import QueryWindow
-from vllm_kvevict.integration.offload_attention import DecodeRows, evicted_entries, host_tier
+from vllm_kvevict.integration.offload_attention import (
+    OffloadState,
+    evicted_entries,
+    host_tier,
+)
 
 
 @dataclass
@@ -69,13 +72,13 @@ class WorkerEviction:
         self._step_open = False  # a begin_step not yet matched by place_queries
         self.compaction_seconds = 0.0
         self._snapshot: Snapshot | None = None
-        # Offload (InfiniGen), all in integration/offload_attention.py and
-        # offload_connector.py; None/unused unless cfg.offload.
-        self.model_dir: str | None = None  # whose skewing file to load (set at init)
-        self.host: HostTier | None = None  # offload_attention.host_tier, made on first use
-        # (row ids, what speculation fetched) for the layer about to run (connector)
-        self.prefetched: tuple[list[str], Fetched] | None = None
-        self.decode_rows: DecodeRows | None = None  # rows that attend host entries this step
+        # Offload (InfiniGen): integration/offload_attention.py, set at init.
+        self.offload: OffloadState | None = None
+
+    @property
+    def host(self) -> HostTier | None:
+        """The offload host tier, once made (None without offload)."""
+        return None if self.offload is None else self.offload.tier
 
     # --- registration ---------------------------------------------------------
 
@@ -370,7 +373,8 @@ def init_worker_state(vllm_config, cfg: EvictionConfig, block_size: int) -> None
     _OWNER = vllm_config
     _STATE = WorkerEviction(cfg, block_size) if cfg.enabled else None
     if _STATE is not None:
-        _STATE.model_dir = vllm_config.model_config.model
+        if cfg.offload:
+            _STATE.offload = OffloadState(vllm_config.model_config.model)
 
 
 def worker_state() -> WorkerEviction | None:
