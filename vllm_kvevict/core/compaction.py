@@ -1,6 +1,6 @@
 """Compaction: bring each head's kept tokens into a request's first slots.
 
-Two ways, both vLLM-free and through a layout adapter (`KVLayout` for the CPU
+Two ways, both vLLM-free and through a layout adapter (`core/layout.py`: `KVLayout` for the CPU
 cache, `NHDLayout` for FlashAttention's), so every backend moves tokens, and
 the scores that travel with them, the same way:
 
@@ -10,7 +10,8 @@ the scores that travel with them, the same way:
               returns where each kept token now lives, and the worker keeps
               that slot order per request (`WorkerEviction.order`).
   compact     moves every kept token, in order, to slots [0, new_len):
-              O(kept). The reference for fill_holes and for the Triton kernel.
+              O(kept). The reference for fill_holes, and what the Triton kernel
+              (triton_kernels/compaction.py, its GPU counterpart) does.
 
 Rows are batched: the worker compacts one request in every layer at once when
 the layers' caches are slices of one buffer (row l = layer l, blocks offset by
