@@ -234,10 +234,12 @@ def llm(model_path, engines):
     close(engine)
 
 
-def _vllm_generate(llm, prompt: list[int], max_tokens: int, extra_args: dict | None = None):
+def _vllm_generate(llm, prompt: list[int], max_tokens: int, extra_args: dict | None = None,
+                   salt: str | None = None):
     """Greedy tokens; per compaction (plan, kept positions (L, H, new_len)); and
     the number of prompt tokens served from the prefix cache. `extra_args`: the
-    request's own settings (e.g. {"kv_prefill_cap": 0})."""
+    request's own settings (e.g. {"kv_prefill_cap": 0}); `salt`: a cache_salt
+    (requests with different salts never share prefix-cache blocks)."""
     from vllm import SamplingParams
 
     from vllm_kvevict.integration.worker import WorkerEviction, worker_state
@@ -254,7 +256,8 @@ def _vllm_generate(llm, prompt: list[int], max_tokens: int, extra_args: dict | N
                         extra_args=extra_args)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(WorkerEviction, "_compact", compact)
-        [res] = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+        [res] = llm.generate([{"prompt_token_ids": prompt,
+                               **({"cache_salt": salt} if salt else {})}], sp, use_tqdm=False)
     assert st.record_kept
     assert len({p.req_id for p, _ in snaps}) <= 1, "one request per generate call"
     return list(res.outputs[0].token_ids), snaps, res.num_cached_tokens

@@ -83,7 +83,9 @@ def test_window_policy_matches_dense_reference(llm, hf, prompts, idx, prefill):
     model, _ = hf
     prompt = prompts[idx]
     extra, chunk = PREFILL[prefill]
-    got_tokens, snaps, cached = _vllm_generate(engine, prompt, MAX_TOKENS, extra)
+    # Its own salt: the other case's run of the same prompt must not be a prefix hit.
+    got_tokens, snaps, cached = _vllm_generate(engine, prompt, MAX_TOKENS, extra,
+                                               salt=f"{kind}-{prefill}")
     assert cached == 0
     check = KeptSetChecker(snaps, WINDOW)
     ref_tokens, evictions = h2o_generate(model, prompt, MAX_TOKENS, BUDGET, WINDOW, BLOCK,
@@ -98,3 +100,63 @@ def test_window_policy_matches_dense_reference(llm, hf, prompts, idx, prefill):
         assert snaps[0][0].logical_len == len(prompt) == snaps[0][0].old_len
     assert not check.report, "\n".join(check.report[:20])
     assert got_tokens == ref_tokens
+
+
+def test_window_policy_with_a_prefix_hit_matches_dense_reference(llm, hf, prompts):
+    """Prefix caching survives eviction (issue 18): a second request with the
+    same 150-token prompt gets the prefix-cache hit (all but the window's 32
+    tokens, in whole blocks), the first request's prompt blocks are never
+    written by either request's compaction (their bytes are unchanged), and
+    the second request's kept sets and tokens still equal the dense reference
+    of the prompt alone: its window is its own, its prefix KV the same."""
+    kind, engine = llm
+    model, _ = hf
+    prompt = prompts[2]
+    salt = f"{kind}-prefix-hit"
+    first = _vllm_generate(engine, prompt, MAX_TOKENS, salt=salt)
+    assert first[2] == 0
+    pool = _block_pool(engine)
+    hashed = {h: blk.block_id for h, blk in _cached_blocks(pool)}
+    assert hashed, "the first request registered its prompt blocks"
+    before = _block_bytes(sorted(hashed.values()))
+    tokens, snaps, cached = _vllm_generate(engine, prompt, MAX_TOKENS, salt=salt)
+    full_blocks = (len(prompt) - 1 - WINDOW) // BLOCK
+    assert cached == full_blocks * BLOCK, (cached, full_blocks)
+    still = {h: b for h, b in _cached_blocks(pool) if hashed.get(h) == b.block_id}
+    assert len(still) >= full_blocks  # the hit's blocks are still in the cache...
+    after = _block_bytes(sorted(hashed[h] for h in still))
+    kept = {b: before[b] for b in after}
+    assert all(torch.equal(kept[b], after[b]) for b in after)  # ...and never written
+    check = KeptSetChecker(snaps, WINDOW)
+    ref_tokens, evictions = h2o_generate(model, prompt, MAX_TOKENS, BUDGET, WINDOW, BLOCK,
+                                         chunk=PREFILL["end"][1], on_evict=check,
+                                         make_ref=dense_window(kind))
+    assert [p.logical_len for p, _ in snaps] == [L for L, _, _ in evictions]
+    assert not check.report, "\n".join(check.report[:20])
+    assert tokens == ref_tokens == first[0]
+
+
+def _block_pool(engine):
+    from vllm_kvevict.integration.probe import scheduler_of
+
+    return scheduler_of(engine).kv_cache_manager.block_pool
+
+
+def _cached_blocks(pool):
+    """(hash, block) of every block in vLLM's prefix cache."""
+    table = pool.cached_block_hash_to_block
+    out = []
+    for h in list(table._cache):
+        blk = table.get_one_block(h)
+        if blk is not None:
+            out.append((h, blk))
+    return out
+
+
+def _block_bytes(block_ids: list[int]) -> dict[int, torch.Tensor]:
+    """Every layer's KV of these blocks, copied: block id -> (L, ...) tensor."""
+    from vllm_kvevict.integration.worker import worker_state
+
+    layers = worker_state().layers.values()
+    return {b: torch.stack([lc.kv_cache[b].clone() for lc in layers]) for b in block_ids}
+

@@ -82,9 +82,9 @@ class EvictableAttentionManager(FullAttentionManager):
         self.pending: list[CompactionPlan] = []
         self.released: list[str] = []  # freed since the last take_plans()
         policy = make_policy(self.cfg.policy, self.cfg.sink, self.cfg.window)
-        # Scores per physical slot (h2o) or the queries of the latest tokens
-        # (snapkv, andpro) must come from this request's own forward passes.
-        self.private_prompts = policy.needs_scores or policy.window > 0
+        # H2O's scores live per physical slot and sum every prompt query: its
+        # prompts never go through the prefix cache (no registration, no hits).
+        self.private_prompts = policy.needs_scores
         self.num_compactions = 0
         self.num_tokens_evicted = 0
         self.num_blocks_freed = 0  # returned to the BlockPool's free queue
@@ -127,14 +127,26 @@ class EvictableAttentionManager(FullAttentionManager):
         return super().allocate_new_blocks(
             request_id, num_tokens - ev, num_tokens_main_model - ev, *args, **kwargs)
 
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length: int, kv_cache_group_ids,
+                               block_pool, kv_cache_spec, *args, **kwargs):
+        """vLLM's prefix lookup, leaving the prompt's last `window` tokens to be
+        computed under snapkv/andpro: those queries are the observation window
+        that scores the prompt when it is compressed, and a hit would skip them."""
+        cfg = getattr(kv_cache_spec, "eviction", None)
+        if cfg is not None and cfg.enabled and make_policy(cfg.policy, cfg.sink,
+                                                           cfg.window).window:
+            max_length = max(0, max_length - cfg.window)
+        return super().find_longest_cache_hit(block_hashes, max_length, kv_cache_group_ids,
+                                              block_pool, kv_cache_spec, *args, **kwargs)
+
     def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
         # Once compacted, a request's blocks no longer hold its token prefix:
         # registering them for prefix caching would serve wrong KV to others.
-        # Under a scoring policy (H2O), scores live per physical slot: a shared
-        # prefix block would carry another request's accumulated attention. So it
-        # registers nothing (no prefix hits); nor do snapkv/andpro, whose window
-        # needs the queries of prompt tokens a hit would skip. Streaming shares
-        # prompts freely.
+        # Under H2O, scores live per physical slot: a shared prefix block would
+        # carry another request's accumulated attention, so it registers
+        # nothing (no prefix hits). The other policies share prompts as stock
+        # vLLM does, until the request first compacts.
         if self.private_prompts:
             return
         if self.evicted.get(request.request_id, 0) == 0:
@@ -177,10 +189,16 @@ class EvictableAttentionManager(FullAttentionManager):
         keep_blocks = cdiv(target, self.block_size)
         src = blocks[:old_blocks]
         # A block another request reads is never written in place: compaction
-        # writes a private block instead. A prefix-cached block only we hold is
-        # taken out of the prefix cache and compacted in place, so the first
+        # writes a private block instead. So is a prefix-cached block only we
+        # hold, when the pool can spare the copies: it stays in the prefix cache
+        # for the next request with the same prefix. When it cannot, such a
+        # block leaves the prefix cache and is compacted in place, so the first
         # compaction needs no extra blocks even when the pool is full.
         shared = [i for i in range(keep_blocks) if src[i].ref_cnt > 1]
+        cached = [i for i in range(keep_blocks)
+                  if src[i].ref_cnt == 1 and src[i].block_hash is not None]
+        if cached and len(shared) + len(cached) <= self.block_pool.get_num_free_blocks():
+            shared = sorted(shared + cached)
         # Private copies come from the blocks free NOW, before the tail is freed.
         # The worker moves tokens in place (the Triton kernel, triton_kernels/
         # compaction.py, reads ahead of where it writes): a destination block must
@@ -200,8 +218,9 @@ class EvictableAttentionManager(FullAttentionManager):
         # Free the tail (newest first, like vLLM's free()), then swap shared blocks.
         del blocks[keep_blocks:]
         self.block_pool.free_blocks(reversed(tail))
-        for blk in blocks[:keep_blocks]:
-            if blk.ref_cnt == 1 and blk.block_hash is not None:
+        copied = set(shared)
+        for i, blk in enumerate(blocks[:keep_blocks]):
+            if i not in copied and blk.ref_cnt == 1 and blk.block_hash is not None:
                 self.block_pool._maybe_evict_cached_block(blk)
         if shared:
             for i, blk in zip(shared, fresh):
