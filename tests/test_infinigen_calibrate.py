@@ -44,7 +44,9 @@ def _worker_state(model_path, **extra):
     """What host_tier reads of the worker's state (integration/worker.py)."""
     cfg = EvictionConfig.from_dict({"kv_eviction": "infinigen", "kv_swap_space": "16MiB",
                                     **extra})
-    return SimpleNamespace(host=None, cfg=cfg, model_dir=model_path)
+    from vllm_kvevict.integration.offload_attention import OffloadState
+
+    return SimpleNamespace(cfg=cfg, offload=OffloadState(model_path))
 
 
 def _engine_config(model_path, **extra):
