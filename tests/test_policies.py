@@ -66,14 +66,11 @@ def test_each_policy_declares_what_it_needs():
     from vllm_kvevict.core.policies import POLICIES, make_policy
 
     assert CHOICES == ("none", *POLICIES)  # --kv-eviction offers every registered policy
-    declared = {name: (make_policy(name, sink=2, window=16).needs_scores,
-                       make_policy(name, sink=2, window=16).window,
-                       make_policy(name, sink=2, window=16).shares_blocks,
-                       make_policy(name, sink=2, window=16).reads_own_prefill)
-                for name in POLICIES}
-    assert declared == {"h2o": (True, 0, False, True), "streaming": (False, 0, True, False),
-                        "snapkv": (False, 16, True, True), "andpro": (False, 16, True, True),
-                        "infinigen": (False, 0, True, False)}
+    declared = {name: (p.needs_scores, p.window, p.shares_blocks)
+                for name in POLICIES for p in [make_policy(name, sink=2, window=16)]}
+    assert declared == {"h2o": (True, 0, False), "streaming": (False, 0, True),
+                        "snapkv": (False, 16, True), "andpro": (False, 16, True),
+                        "infinigen": (False, 0, True)}
     assert make_policy("infinigen", sink=2).sink == 2  # sinks + recent stay resident
     assert [POLICIES[n].default_recent(256, 32) for n in ("h2o", "snapkv")] == [128, 32]
     with pytest.raises(ValueError, match="no eviction policy named 'lru'"):

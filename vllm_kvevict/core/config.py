@@ -99,14 +99,13 @@ class ModuleLimits:
 
 def _module_limits(raw: dict[str, Any]) -> ModuleLimits:
     """Parse `kv_max_schemas` / `kv_max_pinned` of `additional_config`."""
-    cls = ModuleLimits
-    count = raw.get("kv_max_schemas", cls.max_schemas)
+    count = raw.get("kv_max_schemas", ModuleLimits.max_schemas)
     if isinstance(count, str) and count.strip().isdigit():
         count = int(count)
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise EvictionConfigError(
             f"{_flag('kv_max_schemas')} must be a schema count >= 0, got {count!r}")
-    share = raw.get("kv_max_pinned", cls.max_pinned)
+    share = raw.get("kv_max_pinned", ModuleLimits.max_pinned)
     try:
         share = _number("kv_max_pinned", share)
         if share > 1:  # _number reads 2 as a token count
@@ -115,7 +114,7 @@ def _module_limits(raw: dict[str, Any]) -> ModuleLimits:
         raise EvictionConfigError(
             f"{_flag('kv_max_pinned')} must be a share of the KV pool in (0, 1] "
             f"(0.5 or 50%), got {share!r}") from None
-    return cls(max_schemas=count, max_pinned=float(share))
+    return ModuleLimits(max_schemas=count, max_pinned=float(share))
 
 
 @dataclass(frozen=True)

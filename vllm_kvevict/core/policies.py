@@ -21,8 +21,9 @@ presses). Adding a policy is one class here, one line in `POLICIES`, and tests:
   shares_blocks  may compact a request whose blocks other requests read
                  (prompt modules): False where per-slot state would mix
                  requests (H2O's accumulated scores live at the slots).
-A request whose policy reads its own prefill (needs_scores or window) never
-takes prompt blocks from vLLM's prefix cache (integration/spec.py).
+The prefix cache follows from them (integration/spec.py): a policy that
+needs_scores registers no prompt blocks and takes no hits; a window policy's
+hit stops short of the prompt's last `window` tokens, whose queries it needs.
 """
 
 from __future__ import annotations
@@ -62,11 +63,6 @@ class EvictionPolicy(ABC):
     def default_recent(cls, budget: int, window: int) -> int:
         """The recent window inside `budget` when --kv-recent is not given."""
         return budget // 2
-
-    @property
-    def reads_own_prefill(self) -> bool:
-        """Scores come from this request's own forward passes over its prompt."""
-        return self.needs_scores or self.window > 0
 
 
 class H2OPolicy(EvictionPolicy):
