@@ -7,7 +7,8 @@ HOW: after the stock schedule(), drain the plans of every
      SchedulerOutput as attribute `kv_eviction` (plain dataclasses, pickled
      with the output to mp / Ray workers). Plans of requests that were freed
      in the same step (preempted, aborted) were already dropped by the manager.
-     New requests that can never exceed the budget are listed as unscored.
+     New requests that can never exceed the budget are listed as unscored;
+     H2O requests that start with shared blocks, with their shared length.
      Also writes the eviction counters for /metrics (core/metrics.py).
      Before the stock schedule(), hands each manager the scheduler's requests
      (per-request budgets) and chunk size (prefill room, admission cap).
@@ -39,10 +40,7 @@ def apply() -> None:
         if managers:
             step = EvictionStep()
             for m in managers:
-                plans, released = m.take_plans()
-                step.plans.extend(plans)
-                step.released.extend(released)
-                step.evicted.update({r: n for r, n in m.evicted.items() if n})
+                m.drain(step)
             for new in output.scheduled_new_reqs:
                 req = self.requests.get(new.req_id)
                 if req is not None and never_compacts(managers[0].request_config(new.req_id),

@@ -71,13 +71,9 @@ SERVER_BUDGET = 256  # the shared policy engines' --kv-budget: >= every PROMPT +
 def engine_settings(policy: str, **extra) -> dict:
     """The shared engine of `policy` (conftest.Engines): server budget 256 (tests
     that evict ask for less per request, `extra_args={"kv_budget": 64}`), 256-token
-    prefill chunks (long prompts are compacted between chunks), prefix caching off
-    for h2o (its chunked-prefill and abort tests count every block)."""
-    kw = dict(max_num_batched_tokens=256,
-              additional_config={"kv_eviction": policy, "kv_budget": SERVER_BUDGET, **extra})
-    if policy == "h2o":
-        kw["enable_prefix_caching"] = False
-    return kw
+    prefill chunks, prefix caching on (vLLM's default)."""
+    return dict(max_num_batched_tokens=256,
+                additional_config={"kv_eviction": policy, "kv_budget": SERVER_BUDGET, **extra})
 
 
 kv_bytes = kv_pool_bytes  # the suite's KV pool in a dtype: the same blocks as 96 MiB of bf16

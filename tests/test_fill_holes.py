@@ -112,3 +112,29 @@ def test_fill_holes_holds_what_ordered_compaction_holds(name, copy_on_write):
     stays = keep < new_len
     assert torch.equal(after[stays], keep[stays])
     assert int((~stays).sum(dim=2).max()) <= old_len - new_len
+
+
+def test_private_scores_land_beside_their_kept_tokens():
+    """After a compaction that copied the shared first blocks (dst != src), every
+    kept token from the first n positions has its private score at the slot it
+    now occupies; the others keep the scores that moved with them."""
+    from vllm_kvevict.core.private_scores import restore
+
+    gen = torch.Generator().manual_seed(3)
+    lay, split = _layout("vec-strided")
+    old_len, new_len, n = 4 * BS, 2 * BS, 2 * BS  # the first 2 blocks were shared
+    src = torch.tensor([[0, 1, 2, 3]])
+    dst = torch.tensor([[7, 8]])  # private copies of blocks 0 and 1
+    keep = _random_keep(gen, 1, old_len, new_len, recent=8)
+    scores = torch.rand(H, NB * BS, generator=gen)
+    moved = scores.clone()
+    kc, vc = split(torch.randn(NB, H, BS, 2 * D, generator=gen).to(torch.bfloat16))
+    after = fill_holes(lay, kc, vc, src, dst, keep, old_len, moved)
+    private = torch.rand(1, H, n, generator=gen)
+    restore(moved, private, keep, after, dst, BS)
+    for hh in range(H):
+        for j in range(new_len):
+            k, a = int(keep[0, hh, j]), int(after[0, hh, j])
+            column = int(dst[0, a // BS]) * BS + a % BS
+            want = private[0, hh, k] if k < n else scores[hh, int(src[0, k // BS]) * BS + k % BS]
+            assert moved[hh, column] == want, (hh, j, k)

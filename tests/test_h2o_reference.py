@@ -26,8 +26,9 @@ positions stay logical.
 The vLLM half runs the plugin in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
 records the kept logical positions of every compaction, and the tests compare
 them, and the greedy tokens, with the reference: exact on this CPU in fp32.
-The last test checks that H2O never serves a prefix-cache hit (scores live per
-physical slot, so a shared block would carry another request's attention).
+The last test serves a prefix-cache hit: the request's scores of the shared
+tokens live in private rows (core/private_scores.py), and its reference counts
+only the queries it computed.
 """
 from __future__ import annotations
 
@@ -126,7 +127,8 @@ class DenseH2O:
 
 
 def h2o_generate(model, prompt: list[int], max_tokens: int, budget: int, recent: int,
-                 block_size: int, chunk: int | None = None, on_evict=None, make_ref=DenseH2O):
+                 block_size: int, chunk: int | None = None, on_evict=None, make_ref=DenseH2O,
+                 cached: int = 0):
     """Greedy tokens and, per eviction, (logical_len, kept positions, scores before).
 
     The plugin's schedule (planner.py), checked before feeding position L with
@@ -136,7 +138,9 @@ def h2o_generate(model, prompt: list[int], max_tokens: int, budget: int, recent:
     on_evict(L, kept, scores) -> kept, if given, sees each eviction and may
     overrule it (the test adopts the engine's choice between tied scores, so
     one tie does not make every later step incomparable). make_ref builds the
-    dense model (another policy's subclass reuses this schedule).
+    dense model (another policy's subclass reuses this schedule). cached: the
+    first `cached` prompt tokens come from the prefix cache: their KV is there,
+    but their queries are not run again, so they add nothing to any score.
     """
     ref = make_ref(model, len(prompt) + max_tokens)
     evictions = []
@@ -151,9 +155,13 @@ def h2o_generate(model, prompt: list[int], max_tokens: int, budget: int, recent:
                 ref.set_kept(kept)
             evictions.append((L, kept, scores))
 
-    chunk = chunk or len(prompt)
-    for c0 in range(0, len(prompt), chunk):
-        maybe_evict(c0, budget)
+    if cached:
+        ref.forward(prompt[:cached], torch.arange(cached))
+        ref.score.zero_()
+    chunk = chunk or len(prompt) - cached
+    for c0 in range(cached, len(prompt), chunk):
+        if c0 > cached:  # between chunks; a hit is followed by its prompt's rest
+            maybe_evict(c0, budget)
         ids = prompt[c0:c0 + chunk]
         logits = ref.forward(ids, torch.arange(c0, c0 + len(ids)))
     out = [int(logits.argmax())]
@@ -352,7 +360,9 @@ def test_h2o_matches_dense_reference(llm, hf, prompts, idx, prefill):
     model, _ = hf
     prompt = prompts[idx]
     extra, chunk = PREFILL[prefill]
-    got_tokens, snaps, cached = _vllm_generate(llm, prompt, MAX_TOKENS, extra)
+    # Its own salt: another case's run of the same prompt must not be a prefix hit.
+    got_tokens, snaps, cached = _vllm_generate(llm, prompt, MAX_TOKENS, extra,
+                                               salt=f"h2o-{idx}-{prefill}")
     assert cached == 0
     assert all(p.new_len == BUDGET for p, _ in snaps)
 
@@ -373,26 +383,69 @@ def test_h2o_matches_dense_reference(llm, hf, prompts, idx, prefill):
     assert got_tokens == ref_tokens, f"first differing generated token: {first_diff}"
 
 
-def test_h2o_never_serves_a_prefix_cache_hit(llm, hf):
-    """B shares its first 3 blocks (96 tokens) with A, which ran first. Under H2O
-    nothing is registered for prefix caching, so B computes its whole prompt and
-    its kept sets and tokens equal the reference's for B alone."""
+def test_h2o_with_a_prefix_hit_matches_dense_reference(llm, hf):
+    """B shares its first 3 blocks (96 tokens) with A, which ran first and left
+    them in the prefix cache, holding A's scores at their slots. B gets the
+    96-token hit; neither request's compaction writes those blocks; B's scores
+    of the shared tokens live in private rows, so B's kept sets and tokens equal
+    the reference of B that counts only the queries B computed. Scoring into
+    the shared slots instead (A's stale scores plus B's) fails this test."""
     model, tok = hf
     with open("/usr/share/common-licenses/MPL-2.0") as f:
         ids = tok(f.read(), add_special_tokens=False).input_ids
     a, b = ids[:120], ids[:96] + ids[300:400]
-    from vllm import SamplingParams
-
+    salt = "h2o-prefix-hit"
     assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
-    llm.generate([{"prompt_token_ids": a}], SamplingParams(temperature=0, max_tokens=4),
-                 use_tqdm=False)
-    got_tokens, snaps, cached = _vllm_generate(llm, b, 8)
-    assert cached == 0, f"H2O must not reuse A's blocks, got {cached} cached tokens"
-    ref_tokens, evictions = h2o_generate(model, b, 8, BUDGET, RECENT, BLOCK)  # prefill "end"
+    _, a_snaps, a_cached = _vllm_generate(llm, a, 4, salt=salt)
+    assert a_cached == 0 and a_snaps, "A compacts after its prompt"
+    pool = _block_pool(llm)
+    hashed = {h: blk.block_id for h, blk in _cached_blocks(pool)}
+    before = _block_bytes(sorted(hashed.values()))
+    got_tokens, snaps, cached = _vllm_generate(llm, b, 40, salt=salt)
+    assert cached == 96, f"B should reuse A's 3 full blocks, got {cached} cached tokens"
+    still = [hashed[h] for h, blk in _cached_blocks(pool) if hashed.get(h) == blk.block_id]
+    assert len(still) >= 3
+    after = _block_bytes(still)
+    assert all(torch.equal(before[blk], after[blk]) for blk in still), "a cached block was written"
+    assert not _open_private_rows(), "private rows are dropped once B is compacted or done"
+    check = KeptSetChecker(snaps, RECENT)
+    ref_tokens, evictions = h2o_generate(model, b, 40, BUDGET, RECENT, BLOCK, on_evict=check,
+                                         cached=96)
+    print(f"\nprefix hit: compactions at L={[L for L, _, _ in evictions]}, {check.summary()}")
     assert [p.logical_len for p, _ in snaps] == [L for L, _, _ in evictions]
-    assert snaps, "B should compact at least once"
-    pairs = [(g, w) for (_, got), (_, want, _) in zip(snaps, evictions)
-             for g, w in zip(got.flatten(0, 1), want.flatten(0, 1))]
-    exact = sum(torch.equal(g, w) for g, w in pairs)
-    assert exact >= 0.99 * len(pairs), f"{exact}/{len(pairs)} kept sets exact"
+    assert len(snaps) >= 2 and snaps[0][0].logical_len == len(b)
+    assert not check.report, "\n".join(check.report[:20])
+    assert check.exact >= 0.99 * check.total, check.summary()
     assert got_tokens == ref_tokens
+
+
+def _open_private_rows() -> dict:
+    from vllm_kvevict.integration.worker import worker_state
+
+    return worker_state().private.tokens
+
+
+def _block_pool(engine):
+    from vllm_kvevict.integration.probe import scheduler_of
+
+    return scheduler_of(engine).kv_cache_manager.block_pool
+
+
+def _cached_blocks(pool):
+    """(hash, block) of every block in vLLM's prefix cache."""
+    table = pool.cached_block_hash_to_block
+    out = []
+    for h in list(table._cache):
+        blk = table.get_one_block(h)
+        if blk is not None:
+            out.append((h, blk))
+    return out
+
+
+def _block_bytes(block_ids: list[int]) -> dict[int, torch.Tensor]:
+    """Every layer's KV of these blocks, copied: block id -> (L, ...) tensor."""
+    from vllm_kvevict.integration.worker import worker_state
+
+    layers = worker_state().layers.values()
+    return {b: torch.stack([lc.kv_cache[b].clone() for lc in layers]) for b in block_ids}
+

@@ -66,11 +66,10 @@ def test_each_policy_declares_what_it_needs():
     from vllm_kvevict.core.policies import POLICIES, make_policy
 
     assert CHOICES == ("none", *POLICIES)  # --kv-eviction offers every registered policy
-    declared = {name: (p.needs_scores, p.window, p.shares_blocks)
+    declared = {name: (p.needs_scores, p.window)
                 for name in POLICIES for p in [make_policy(name, sink=2, window=16)]}
-    assert declared == {"h2o": (True, 0, False), "streaming": (False, 0, True),
-                        "snapkv": (False, 16, True), "andpro": (False, 16, True),
-                        "infinigen": (False, 0, True)}
+    assert declared == {"h2o": (True, 0), "streaming": (False, 0), "snapkv": (False, 16),
+                        "andpro": (False, 16), "infinigen": (False, 0)}
     assert make_policy("infinigen", sink=2).sink == 2  # sinks + recent stay resident
     assert [POLICIES[n].default_recent(256, 32) for n in ("h2o", "snapkv")] == [128, 32]
     with pytest.raises(ValueError, match="no eviction policy named 'lru'"):

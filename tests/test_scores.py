@@ -88,3 +88,46 @@ def test_accumulate_scores_skips_unscored_rows():
                       rows=torch.tensor([False, True]))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert got[:, : 4 * BS].sum() == 0
+
+
+def test_private_rows_take_a_shared_prefix_scores_and_leave_its_slots_alone():
+    """Two requests share their first 2 blocks (a prefix hit): the second one's
+    scores of those 32 tokens go to its private row (core/private_scores.py),
+    exactly what its own slots would have received; the shared slots keep the
+    first request's scores only, and every later slot is scored as usual.
+    Both a prefill chunk and a decode step of the sharer."""
+    gen = torch.Generator().manual_seed(7)
+    h, g = 3, 3
+    layout, kc, keys = _paged(h, gen, torch.float32)
+    shared = torch.tensor([0, 1])
+    table = torch.stack([torch.cat([shared, torch.tensor([2, 3])]),
+                         torch.cat([shared, torch.tensor([4, 5])])])
+    # Owner: decode at 50 resident; sharer: a 6-token chunk after its 32-token hit.
+    seq, qsl = torch.tensor([50, 38]), torch.tensor([0, 1, 7])
+    slot_mapping = torch.cat([torch.tensor([3 * BS + 1]), 4 * BS + torch.arange(6)])
+    query = torch.randn(7, h * g, D, generator=gen)
+    n = 2 * BS
+    private = torch.zeros(h, n)
+    got = torch.zeros(h, NB * BS)
+    accumulate_scores(got, layout, kc, query, qsl, seq, table, slot_mapping, 0.2,
+                      private=[None, private])
+    owner, sharer = torch.zeros(h, NB * BS), torch.zeros(h, NB * BS)
+    _dense(owner, keys, query[:1][None], torch.tensor([[50]]), table[:1], 0.2)
+    _dense(sharer, keys, query[1:][None], torch.arange(33, 39)[None], table[1:], 0.2)
+    sharer_slots = (table[1][:, None] * BS + torch.arange(BS)).flatten()
+    torch.testing.assert_close(private, sharer[:, sharer_slots[:n]], rtol=1e-5, atol=1e-6)
+    want = owner.clone()
+    want[:, sharer_slots[n:]] += sharer[:, sharer_slots[n:]]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # A decode step of the sharer (39 resident), through the same path.
+    before = private.clone()
+    got2 = torch.zeros(h, NB * BS)
+    q1 = torch.randn(1, h * g, D, generator=gen)
+    accumulate_scores(got2, layout, kc, q1, torch.tensor([0, 1]), torch.tensor([39]),
+                      table[1:], torch.tensor([4 * BS + 6]), 0.2, private=[private])
+    step = torch.zeros(h, NB * BS)
+    _dense(step, keys, q1[None], torch.tensor([[39]]), table[1:], 0.2)
+    torch.testing.assert_close(private - before, step[:, sharer_slots[:n]],
+                               rtol=1e-5, atol=1e-6)
+    assert got2[:, : 2 * BS].sum() == 0  # the shared slots got nothing
+    torch.testing.assert_close(got2[:, sharer_slots[n:]], step[:, sharer_slots[n:]])

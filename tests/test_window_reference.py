@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from test_h2o_reference import (  # noqa: F401  (fixtures)
-    BLOCK, CHUNK, PREFILL, DenseH2O, KeptSetChecker, _vllm_generate, h2o_generate, one_thread, prompts)
+    BLOCK, CHUNK, PREFILL, DenseH2O, KeptSetChecker, _block_bytes, _block_pool, _cached_blocks,
+    _vllm_generate, h2o_generate, one_thread, prompts)
 from window_reference import keep, selection_scores, token_scores
 
 BUDGET, WINDOW = 64, 32  # recent defaults to the window
@@ -134,29 +135,3 @@ def test_window_policy_with_a_prefix_hit_matches_dense_reference(llm, hf, prompt
     assert [p.logical_len for p, _ in snaps] == [L for L, _, _ in evictions]
     assert not check.report, "\n".join(check.report[:20])
     assert tokens == ref_tokens == first[0]
-
-
-def _block_pool(engine):
-    from vllm_kvevict.integration.probe import scheduler_of
-
-    return scheduler_of(engine).kv_cache_manager.block_pool
-
-
-def _cached_blocks(pool):
-    """(hash, block) of every block in vLLM's prefix cache."""
-    table = pool.cached_block_hash_to_block
-    out = []
-    for h in list(table._cache):
-        blk = table.get_one_block(h)
-        if blk is not None:
-            out.append((h, blk))
-    return out
-
-
-def _block_bytes(block_ids: list[int]) -> dict[int, torch.Tensor]:
-    """Every layer's KV of these blocks, copied: block id -> (L, ...) tensor."""
-    from vllm_kvevict.integration.worker import worker_state
-
-    layers = worker_state().layers.values()
-    return {b: torch.stack([lc.kv_cache[b].clone() for lc in layers]) for b in block_ids}
-

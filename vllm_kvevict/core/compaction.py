@@ -148,3 +148,25 @@ def fill_holes(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
     keep = keep.reshape(b * h, new_len)
     moved_to = tail.gather(1, (keep - new_len).clamp(min=0))
     return torch.where(keep < new_len, keep, moved_to).view(b, h, new_len)
+
+
+def by_age(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """(L, H, n, ...) per-slot values -> the same, oldest token first; rows:
+    (L, H, n) the slot of each token by age (None: slots are in age order)."""
+    if rows is None:
+        return x
+    idx = rows.to(x.device)
+    if x.dim() == 4:
+        idx = idx[..., None].expand(-1, -1, -1, x.shape[3])
+    return x.gather(2, idx)
+
+
+def slot_order(prev: torch.Tensor | None, old_len: int) -> torch.Tensor | None:
+    """(L, H, old_len) int64: the slot of each resident token, oldest first,
+    from `prev`, the (L, H, P) order fill_holes left at the last compaction
+    (None while slots are in logical order: never compacted). Tokens written
+    since then follow it in order."""
+    if prev is None:
+        return None
+    fresh = torch.arange(prev.shape[2], old_len, device=prev.device)
+    return torch.cat([prev.long(), fresh.expand(*prev.shape[:2], -1)], dim=2)

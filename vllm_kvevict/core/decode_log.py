@@ -22,10 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from vllm_kvevict.core.scores import score_queries
+
+
+# (req_id, layer name, LayerCache) -> the request's private score row there, or None
+PrivateOf = Callable[[str, str, Any], "torch.Tensor | None"]
 
 
 @dataclass
@@ -127,12 +132,15 @@ class DecodeQueryLog:
     # --- flush -----------------------------------------------------------------
 
     def flush(self, req_ids: Iterable[str], layers: dict,
-              block_ids_of: Callable[[str], list[int] | None]) -> None:
+              block_ids_of: Callable[[str], list[int] | None],
+              private_of: PrivateOf | None = None) -> None:
         """Score the waiting queries of `req_ids` in every layer, then clear them.
 
         layers: name -> layer_stack.LayerCache (kv_cache, layout, scores).
         block_ids_of(req_id): the request's current block ids (worker's copy),
         None if the worker no longer knows it (its queries are dropped).
+        private_of(req_id, layer, lc): its private score row in that layer, or
+        None (core/private_scores.py).
         """
         ids = [r for r in req_ids if self.count.get(r, 0) > 0]
         blocks = {r: block_ids_of(r) for r in ids}
@@ -155,12 +163,15 @@ class DecodeQueryLog:
             if buf is None:
                 continue
             key_cache, _ = lc.layout.split(lc.kv_cache)
+            private = None if private_of is None else [private_of(r, name, lc) for r in ids]
             score_queries(lc.scores, lc.layout, key_cache, buf[rows, :nq], visible,
-                          block_rows, self.scale[name])
+                          block_rows, self.scale[name],
+                          None if private is None or not any(p is not None for p in private)
+                          else private)
         self.visible[rows] = 0
         for r in ids:
             self.count[r] = 0
 
-    def flush_all(self, layers: dict,
-                  block_ids_of: Callable[[str], list[int] | None]) -> None:
-        self.flush(list(self.count), layers, block_ids_of)
+    def flush_all(self, layers: dict, block_ids_of: Callable[[str], list[int] | None],
+                  private_of: PrivateOf | None = None) -> None:
+        self.flush(list(self.count), layers, block_ids_of, private_of)

@@ -49,3 +49,7 @@ class EvictionStep:
     # Requests new this step that can never exceed the budget: nobody will read
     # their scores, so workers do not compute them (planner.never_compacts).
     unscored: list[str] = field(default_factory=list)
+    # H2O: req_id -> n, for requests that start this step with n prompt tokens
+    # in blocks others may read (prefix hit, prompt modules): workers score
+    # those tokens in private rows (core/private_scores.py).
+    shared_prefix: dict[str, int] = field(default_factory=dict)

@@ -17,13 +17,11 @@ presses). Adding a policy is one class here, one line in `POLICIES`, and tests:
   needs_scores   accumulate attention into a per-slot score buffer at every
                  step (prefill and decode), as H2O does;
   window         > 0: scored at each compaction by the last `window` queries
-                 (`scores`), which the worker keeps for it;
-  shares_blocks  may compact a request whose blocks other requests read
-                 (prompt modules): False where per-slot state would mix
-                 requests (H2O's accumulated scores live at the slots).
-The prefix cache follows from them (integration/spec.py): a policy that
-needs_scores registers no prompt blocks and takes no hits; a window policy's
-hit stops short of the prompt's last `window` tokens, whose queries it needs.
+                 (`scores`), which the worker keeps for it.
+The prefix cache and prompt modules follow from them (integration/spec.py): a
+policy that needs_scores scores a request's shared first blocks in private
+rows (core/private_scores.py); a window policy's hit stops short of the
+prompt's last `window` tokens, whose queries it needs.
 """
 
 from __future__ import annotations
@@ -47,7 +45,6 @@ def recent_plus_top_scored(scores: torch.Tensor, keep: int, recent: int) -> torc
 class EvictionPolicy(ABC):
     name: ClassVar[str]
     needs_scores: ClassVar[bool] = False
-    shares_blocks: ClassVar[bool] = True
     window: int = 0
 
     @abstractmethod
@@ -72,12 +69,13 @@ class H2OPolicy(EvictionPolicy):
     the largest accumulated attention (summed over the query heads of each KV
     head's GQA group). Evicting in one batch of many tokens equals running the
     paper's one-at-a-time greedy step repeatedly with frozen scores. The
-    default split is the paper's: half heavy hitters, half recent.
+    default split is the paper's: half heavy hitters, half recent. A request
+    that starts from cached blocks (prefix hit, prompt modules) counts the
+    queries it computed: the cached prefix's own queries are not run again.
     """
 
     name = "h2o"
     needs_scores = True
-    shares_blocks = False  # the accumulated scores live at the (shared) slots
 
     def select(self, scores: torch.Tensor, keep: int, recent: int) -> torch.Tensor:
         return recent_plus_top_scored(scores, keep, recent)

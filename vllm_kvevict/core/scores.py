@@ -20,6 +20,8 @@ needs of them goes up with `kernels.upload` (tests/test_cuda_syncs.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from vllm_kvevict.core.cpu_layout import token_slots
@@ -33,7 +35,8 @@ _TILE_ELEMENTS = 1 << 21
 
 def score_queries(scores: torch.Tensor, layout, key_cache: torch.Tensor,
                   queries: torch.Tensor, visible: torch.Tensor,
-                  block_rows: torch.Tensor, scale: float) -> None:
+                  block_rows: torch.Tensor, scale: float,
+                  private: Sequence[torch.Tensor | None] | None = None) -> None:
     """Add each query's attention over its visible keys into their slots.
 
     queries:    (R, Q, H_q, D) any float dtype
@@ -41,6 +44,9 @@ def score_queries(scores: torch.Tensor, layout, key_cache: torch.Tensor,
                 query (r, t) sees physical positions [0, visible[r, t]);
                 0 marks padding, which adds nothing
     block_rows: (R, nblk) block ids covering max(visible[r]) tokens of row r
+    private:    per row, None or (H, n): row r's scores of its first n
+                positions go there instead of to their (shared) slots
+                (core/private_scores.py)
 
     Per tile of queries, only the keys some query of the tile sees are scored
     (causal prefill: about half the logits), and the sums over queries and
@@ -63,8 +69,13 @@ def score_queries(scores: torch.Tensor, layout, key_cache: torch.Tensor,
         for r0 in range(0, r, rows)])  # (R, H, M)
     # The (row, key) pairs some query reaches, listed on the host: indexing with
     # a boolean mask on the GPU would read its count back.
-    reach_r, reach_m = (torch.arange(m)[None, :] < visible.max(dim=1).values[:, None]).nonzero(
-        as_tuple=True)
+    reach = torch.arange(m)[None, :] < visible.max(dim=1).values[:, None]  # (R, M) host
+    for i, row in enumerate(private or ()):
+        if row is not None:
+            n = min(row.shape[1], m)
+            row[:, :n] += acc[i, :, :n]  # keys past a row's horizon summed 0
+            reach[i, :n] = False
+    reach_r, reach_m = reach.nonzero(as_tuple=True)
     reach_r, reach_m = upload(reach_r, dev), upload(reach_m, dev)
     slots = token_slots(block_rows, m, bs)
     scores.index_add_(1, slots[reach_r, reach_m], acc.transpose(0, 1)[:, reach_r, reach_m])
@@ -117,14 +128,16 @@ def accumulate_scores(scores: torch.Tensor, layout, key_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, scale: float,
                       decode: bool = True, rows: torch.Tensor | None = None,
                       query_start_loc_cpu: torch.Tensor | None = None,
-                      seq_lens_cpu: torch.Tensor | None = None) -> None:
+                      seq_lens_cpu: torch.Tensor | None = None,
+                      private: Sequence[torch.Tensor | None] | None = None) -> None:
     """Score one step's queries from attention metadata (physical seq_lens).
 
     query: (num_tokens, H_q, D) this step's new tokens. decode=False leaves the
     single-query rows to a `DecodeQueryLog`; rows: (num_reqs,) bool host
     tensor, score only these requests (None: all). query_start_loc_cpu /
     seq_lens_cpu: host copies of the two (vLLM's, from the CUDA builder); each
-    one missing is read from its device tensor (a sync on a GPU).
+    one missing is read from its device tensor (a sync on a GPU). private:
+    per batch row, as for `score_queries` (rows with one take the torch path).
     """
     num_tokens = query.shape[0]
     dev = query.device
@@ -134,21 +147,26 @@ def accumulate_scores(scores: torch.Tensor, layout, key_cache: torch.Tensor,
     q_lens = qsl[1:] - qsl[:-1]
     seq = (seq_lens if seq_lens_cpu is None else seq_lens_cpu)[: len(q_lens)].long().cpu()
     wanted = torch.ones_like(q_lens, dtype=torch.bool) if rows is None else rows.cpu()
+    has_private = torch.tensor([p is not None for p in private or [None] * len(q_lens)],
+                               dtype=torch.bool)
     if decode:
         rows = torch.nonzero((q_lens == 1) & wanted).flatten()  # host
-        if rows.numel() and use_triton(query, layout):  # one pass, no gather
+        fused = rows[~has_private[rows]] if use_triton(query, layout) else rows[:0]
+        if fused.numel():  # one pass, no gather
             triton_module("paged_attention").paged_attention_scores(
-                query[upload(qsl[rows], dev)], key_cache, key_cache, block_table,
-                upload(rows, dev), upload(seq[rows], dev), scale, scores=scores,
-                write_out=False, max_visible=int(seq[rows].max()))
-        elif rows.numel():
+                query[upload(qsl[fused], dev)], key_cache, key_cache, block_table,
+                upload(fused, dev), upload(seq[fused], dev), scale, scores=scores,
+                write_out=False, max_visible=int(seq[fused].max()))
+            rows = rows[has_private[rows]]
+        if rows.numel():
             nblk = -(-int(seq[rows].max()) // layout.block_size)
             score_queries(scores, layout, key_cache, query[upload(qsl[rows], dev)][:, None],
                           seq[rows, None], block_table[upload(rows, block_table.device), :nblk],
-                          scale)
+                          scale, None if private is None else [private[i] for i in rows.tolist()])
     for i in torch.nonzero((q_lens > 1) & wanted).flatten().tolist():
         n, s = int(q_lens[i]), int(seq[i])
         nblk = -(-s // layout.block_size)
         visible = torch.arange(s - n + 1, s + 1)[None]  # causal within the chunk
         score_queries(scores, layout, key_cache, query[qsl[i]:qsl[i + 1]][None],
-                      visible, block_table[i:i + 1, :nblk], scale)
+                      visible, block_table[i:i + 1, :nblk], scale,
+                      None if private is None else [private[i]])

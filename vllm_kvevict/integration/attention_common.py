@@ -139,23 +139,26 @@ def score_step(impl, layer, query, kv_cache, attn_metadata, make_layout) -> None
                       attn_metadata.block_table, attn_metadata.slot_mapping, impl.scale,
                       decode=placement is None,
                       rows=getattr(attn_metadata, SCORED_ATTR, None),
-                      query_start_loc_cpu=host.query_start_loc, seq_lens_cpu=host.seq_lens)
+                      query_start_loc_cpu=host.query_start_loc, seq_lens_cpu=host.seq_lens,
+                      private=state.private_rows(layer.layer_name, lc,
+                                                 attn_metadata.query_start_loc.shape[0] - 1))
 
 
 def fused_decode(impl, layer, query, kv_cache, attn_metadata, output, make_layout) -> bool:
     """Attention output and H2O scores of an all-decode step from one Triton
     kernel (`triton_kernels.paged_attention`), written into `output`
     (num_tokens, H_q, D). Returns False, doing nothing, when the step is not
-    such a step (prefill rows, no scoring policy, decode log, torch path)."""
+    such a step (prefill rows, no scoring policy, decode log, torch path,
+    private score rows)."""
     state = worker_state()
     if (state is None or impl.attn_type != AttentionType.DECODER or state.policy.window
             or not state.policy.needs_scores or attn_metadata.max_query_len != 1
             or getattr(attn_metadata, PLACEMENT_ATTR, None) is not None):
         return False
     lc = state.layer(layer.layer_name, kv_cache, make_layout)
-    if not use_triton(query, lc.layout):
-        return False
     n = attn_metadata.num_actual_tokens
+    if not use_triton(query, lc.layout) or state.private_rows(layer.layer_name, lc, n):
+        return False  # private score rows (shared first blocks): the torch path
     key_cache, value_cache = lc.layout.split(kv_cache)
     lc.scores[:, attn_metadata.slot_mapping[:n].long()] = 0.0  # new tokens start at zero
     rows = getattr(attn_metadata, SCORED_ATTR, None)

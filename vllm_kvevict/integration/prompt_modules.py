@@ -33,7 +33,6 @@ from collections.abc import Callable
 
 from vllm_kvevict.core.config import ModuleLimits
 from vllm_kvevict.core.pml import PMLError, find_prompt, parse_prompt, parse_schema
-from vllm_kvevict.core.policies import POLICIES
 from vllm_kvevict.core.prompt_layout import (
     SALT_PREFIX,
     SchemaLayout,
@@ -42,7 +41,6 @@ from vllm_kvevict.core.prompt_layout import (
     salt,
 )
 from vllm_kvevict.integration.module_store import LAYOUT_KEY, layout_problem
-from vllm_kvevict.integration.settings import eviction_config
 
 # Layouts are only accepted from this process's own code: a client that sends
 # `vllm_xargs: {"kvevict_layout": ...}` could otherwise pin or read any blocks.
@@ -98,12 +96,6 @@ def check_limits(limits: ModuleLimits, name: str, *, registered: int, pinned: in
 
 
 def _check_engine(vllm_config) -> None:
-    cfg = eviction_config(vllm_config)
-    if cfg.enabled and not POLICIES[cfg.policy].shares_blocks:
-        sharing = ", ".join(n for n, c in POLICIES.items() if c.shares_blocks)
-        raise PMLError(f"prompt modules do not work with --kv-eviction {cfg.policy}: it keeps "
-                       f"state per KV slot (H2O's accumulated scores), and a shared block "
-                       f"would mix every importer's; use one of {sharing}")
     if not vllm_config.cache_config.enable_prefix_caching:
         raise PMLError("prompt modules reuse blocks through vLLM's prefix-cache path: "
                        "start the engine without --no-enable-prefix-caching")

@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 from vllm_kvevict.core.config import EvictionConfig
 from vllm_kvevict.core.metrics import Snapshot
 from vllm_kvevict.core.planner import compaction_target
-from vllm_kvevict.core.plans import CompactionPlan
+from vllm_kvevict.core.plans import CompactionPlan, EvictionStep
 from vllm_kvevict.core.policies import make_policy
 from vllm_kvevict.integration.module_store import layout_of
 
@@ -80,11 +80,13 @@ class EvictableAttentionManager(FullAttentionManager):
         self.cfg = kv_cache_spec.eviction
         self.evicted: dict[str, int] = {}  # req_id -> logical - physical
         self.pending: list[CompactionPlan] = []
-        self.released: list[str] = []  # freed since the last take_plans()
-        policy = make_policy(self.cfg.policy, self.cfg.sink, self.cfg.window)
-        # H2O's scores live per physical slot and sum every prompt query: its
-        # prompts never go through the prefix cache (no registration, no hits).
-        self.private_prompts = policy.needs_scores
+        self.released: list[str] = []  # freed since the last drain()
+        # H2O's scores live per physical slot: a request that starts with shared
+        # blocks scores their tokens in private rows, which workers open when
+        # told (EvictionStep.shared_prefix; core/private_scores.py).
+        self.scores_per_slot = make_policy(self.cfg.policy, self.cfg.sink,
+                                           self.cfg.window).needs_scores
+        self.shared_prefix: dict[str, int] = {}  # since the last drain()
         self.num_compactions = 0
         self.num_tokens_evicted = 0
         self.num_blocks_freed = 0  # returned to the BlockPool's free queue
@@ -140,21 +142,26 @@ class EvictableAttentionManager(FullAttentionManager):
         return super().find_longest_cache_hit(block_hashes, max_length, kv_cache_group_ids,
                                               block_pool, kv_cache_spec, *args, **kwargs)
 
+    def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence,
+                                  num_local_computed_tokens: int, *args, **kwargs) -> None:
+        """vLLM attaching a request's prefix hit (or imported prompt modules,
+        patches/kv_manager_modules.py) as its first blocks."""
+        super().add_local_computed_blocks(request_id, new_computed_blocks,
+                                          num_local_computed_tokens, *args, **kwargs)
+        if self.scores_per_slot and num_local_computed_tokens > 0:
+            self.shared_prefix[request_id] = num_local_computed_tokens
+
     def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
         # Once compacted, a request's blocks no longer hold its token prefix:
         # registering them for prefix caching would serve wrong KV to others.
-        # Under H2O, scores live per physical slot: a shared prefix block would
-        # carry another request's accumulated attention, so it registers
-        # nothing (no prefix hits). The other policies share prompts as stock
-        # vLLM does, until the request first compacts.
-        if self.private_prompts:
-            return
+        # Until then every policy shares prompts as stock vLLM does.
         if self.evicted.get(request.request_id, 0) == 0:
             super().cache_blocks(request, num_tokens, *args, **kwargs)
 
     def pop_blocks_for_free(self, request_id: str):
         self.evicted.pop(request_id, None)
         self._request_cfg.pop(request_id, None)
+        self.shared_prefix.pop(request_id, None)
         self.pending = [p for p in self.pending if p.req_id != request_id]
         self.released.append(request_id)
         blocks = super().pop_blocks_for_free(request_id)
@@ -270,11 +277,15 @@ class EvictableAttentionManager(FullAttentionManager):
             "prefill_fallbacks": self.num_prefill_fallbacks,
             "logical_tokens": logical, "physical_tokens": physical})
 
-    def take_plans(self) -> tuple[list[CompactionPlan], list[str]]:
-        """This step's compaction plans and the requests released since the last."""
-        plans, self.pending = self.pending, []
-        released, self.released = self.released, []
-        return plans, released
+    def drain(self, step: EvictionStep) -> None:
+        """Move what workers must learn this step into `step`: the compaction
+        plans, the requests released and the shared prefixes since the last
+        drain, and every request's evicted count."""
+        step.plans.extend(self.pending)
+        step.released.extend(self.released)
+        step.shared_prefix.update(self.shared_prefix)
+        step.evicted.update({r: n for r, n in self.evicted.items() if n})
+        self.pending, self.released, self.shared_prefix = [], [], {}
 
 
 KVCacheSpecRegistry._ensure_registered()  # built-ins first: registration is one-shot

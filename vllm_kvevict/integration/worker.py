@@ -11,7 +11,10 @@ policies' buffers are empty):
 
 Scores live at the same (block, offset) slots as the KV they describe, so
 compaction moves them with the KV, and a slot's score is zeroed whenever a new
-token is written there (a reused block never inherits stale importance).
+token is written there (a reused block never inherits stale importance). A
+request whose first blocks may be shared (prefix hit, prompt modules) keeps
+the scores of those tokens in private rows until its first compaction
+(core/private_scores.py), so no two requests ever add into one slot.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 
 import torch
 
-from vllm_kvevict.core.compaction import fill_holes
+from vllm_kvevict.core.compaction import by_age, fill_holes, slot_order
 from vllm_kvevict.core.config import EvictionConfig
 from vllm_kvevict.core.cpu_layout import token_slots
 from vllm_kvevict.core.decode_log import DecodeQueryLog, StepPlacement
@@ -33,6 +36,7 @@ from vllm_kvevict.core.layer_stack import LayerCache, LayerStack
 from vllm_kvevict.core.metrics import Snapshot
 from vllm_kvevict.core.plans import STEP_ATTR, CompactionPlan, EvictionStep
 from vllm_kvevict.core.policies import make_policy
+from vllm_kvevict.core.private_scores import PrivateScores, restore
 from vllm_kvevict.core.query_window import QueryWindow
 from vllm_kvevict.integration.offload_attention import (
     OffloadState,
@@ -64,6 +68,7 @@ class WorkerEviction:
         self.order: dict[str, torch.Tensor] = {}
         self.record_kept = False  # tests turn this on
         self.decode_log = DecodeQueryLog()
+        self.private = PrivateScores()  # h2o: scores of shared first blocks
         self.query_window = QueryWindow(cfg.window)  # used by snapkv/andpro only
         self.num_windowless = 0  # snapkv/andpro compactions that found no window
         self._stack_cache: list[LayerStack] | None = None
@@ -119,10 +124,16 @@ class WorkerEviction:
         self.unscored.difference_update(scheduler_output.finished_req_ids)
         for req_id in (*step.released, *scheduler_output.finished_req_ids):
             self.order.pop(req_id, None)  # its blocks are gone (or refilled in order)
+            self.private.drop([req_id])
             if self.host is not None:  # both tiers go together
                 self.host.free(req_id)
         self.unscored.update(step.unscored)
-        self.decode_log.flush([p.req_id for p in step.plans], self.layers, self._block_ids)
+        if self.policy.needs_scores:
+            for req_id, n in step.shared_prefix.items():
+                if req_id not in self.unscored:
+                    self.private.open(req_id, n)
+        self.decode_log.flush([p.req_id for p in step.plans], self.layers, self._block_ids,
+                              self._private_of)
         if step.plans:
             start = time.perf_counter()  # CPU: the work; CUDA: its launch (async)
             self.arriving = {r.req_id for r in scheduler_output.scheduled_new_reqs}
@@ -148,6 +159,17 @@ class WorkerEviction:
             self._snapshot = Snapshot("worker")
         self._snapshot.write({"role": "worker", "rank": _tp_rank(),
                               "compaction_seconds": self.compaction_seconds})
+
+    def _private_of(self, req_id: str, layer: str, lc: LayerCache) -> torch.Tensor | None:
+        return self.private.of(req_id, layer, lc.layout.num_kv_heads, lc.scores.device)
+
+    def private_rows(self, layer: str, lc: LayerCache,
+                     num_reqs: int) -> list[torch.Tensor | None] | None:
+        """Per batch row, its private scores in `layer`, or None (PrivateScores.batch)."""
+        if not self.private.tokens or self.runner is None:
+            return None
+        return self.private.batch(self.runner.input_batch.req_ids[:num_reqs], num_reqs, layer,
+                                  lc.layout.num_kv_heads, lc.scores.device)
 
     def _block_ids(self, req_id: str) -> list[int] | None:
         req_state = self.runner.requests.get(req_id) if self.runner else None
@@ -181,7 +203,7 @@ class WorkerEviction:
             return None
         self._step_open = False
         if self.decode_log.full():
-            self.decode_log.flush_all(self.layers, self._block_ids)
+            self.decode_log.flush_all(self.layers, self._block_ids, self._private_of)
         qsl = query_start_loc[: num_reqs + 1].tolist()
         q_lens = [b - a for a, b in zip(qsl, qsl[1:])]
         req_ids = self.runner.input_batch.req_ids[:num_reqs]
@@ -232,7 +254,7 @@ class WorkerEviction:
         src = token_slots(src_blocks, plan.old_len, bs)  # (old_len,) slots of the old tokens
         keep_recent = plan.recent
         logical = self._logical_positions(self.kept.get(plan.req_id), plan)
-        order = self._slot_order(plan)  # (L_all, H, old_len) slot of each token by age
+        order = slot_order(self.order.get(plan.req_id), plan.old_len)  # (L_all, H, old_len)
         kept_positions, new_order = [], []
         evicted_kv = []  # offload: (k, v) per stack, (L, H, E, D)
         first = 0
@@ -246,15 +268,21 @@ class WorkerEviction:
             rows = None if order is None else order[first:first + st.num_layers]
             # The policy sees tokens oldest first (the recent window, pooling over
             # neighbours); `rows` maps that order to slots after earlier compactions.
-            kv = None
+            kv = private = None
             if self.policy.window or self.cfg.offload:
-                kv = tuple(_by_age(x[:, :, : plan.old_len], rows) for x in (
+                kv = tuple(by_age(x[:, :, : plan.old_len], rows) for x in (
                     st.layout.gather_keys(kc, src_rows, src_rows.shape[1]),
                     st.layout.gather_values(vc, src_rows, src_rows.shape[1])))
             if self.policy.window:
                 scores = self._window_scores(plan, st, keep_recent, *kv)
             elif self.policy.needs_scores:
-                scores = _by_age(st.scores[:, src_slots].transpose(0, 1), rows)  # (L, H, old_len)
+                scores = by_age(st.scores[:, src_slots].transpose(0, 1), rows)  # (L, H, old_len)
+                private = self.private.stacked(plan.req_id, st.names, st.layout.num_kv_heads,
+                                               scores.device)
+                if private is not None:  # never compacted yet: slot order is age order
+                    assert rows is None
+                    n = min(private.shape[2], plan.old_len)
+                    scores[..., :n] = private[..., :n]
             else:  # streaming: the kept set depends on age only
                 scores = torch.zeros(st.num_layers, st.layout.num_kv_heads, plan.old_len)
             num_layers, h, _ = scores.shape
@@ -274,6 +302,10 @@ class WorkerEviction:
                 after = fill_holes(st.layout, kc, vc, src_rows, dst_rows, keep_slots,
                                    plan.old_len,
                                    st.scores if self.policy.needs_scores else None)
+            if private is not None:
+                # The kept blocks are all private now (spec.py copies shared
+                # ones): the private scores go beside the tokens.
+                restore(st.scores, private, keep, after, dst_rows, bs)
             new_order.append(after.to(torch.int32))  # stays on the cache's device
             if self.record_kept:
                 pos = (logical[first:first + num_layers] if logical.dim() == 3
@@ -281,6 +313,7 @@ class WorkerEviction:
                 kept_positions.append(pos.gather(2, keep.to(pos.device)))
             first += num_layers
         self.order[plan.req_id] = torch.cat(new_order)
+        self.private.drop([plan.req_id])
         if evicted_kv:
             tier = host_tier(self, self._stacks()[0].layout, evicted_kv[0][0].dtype)
             tier.offload(plan.req_id, torch.cat([k for k, _ in evicted_kv]),
@@ -314,17 +347,6 @@ class WorkerEviction:
         q, scale = win
         return self.policy.scores(q.to(k.device), k, v, scale, recent)
 
-    def _slot_order(self, plan: CompactionPlan) -> torch.Tensor | None:
-        """(L_all, H, old_len) int64: the slot of each resident token, oldest
-        first; None while slots are in logical order (never compacted here).
-        Tokens written since the last compaction follow it in order."""
-        prev = self.order.get(plan.req_id)
-        if prev is None:
-            return None
-        fresh = torch.arange(prev.shape[2], plan.old_len, device=prev.device)
-        fresh = fresh.expand(*prev.shape[:2], -1)
-        return torch.cat([prev.long(), fresh], dim=2)
-
     def _logical_positions(self, prev: KeptRecord | None, plan: CompactionPlan):
         """Logical position of each of the old_len tokens, oldest first: (L, H, n) or (n,)."""
         if not self.record_kept:
@@ -335,16 +357,6 @@ class WorkerEviction:
         fresh = fresh.expand(*prev.positions.shape[:2], -1)
         full = torch.cat([prev.positions, fresh], dim=2)
         return full[:, :, : plan.old_len]
-
-
-def _by_age(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """(L, H, n, ...) per-slot values -> the same, oldest token first."""
-    if rows is None:
-        return x
-    idx = rows.to(x.device)
-    if x.dim() == 4:
-        idx = idx[..., None].expand(-1, -1, -1, x.shape[3])
-    return x.gather(2, idx)
 
 
 def _tp_rank() -> int:
