@@ -20,8 +20,9 @@ presses). Adding a policy is one class here, one line in `POLICIES`, and tests:
                  (`scores`), which the worker keeps for it.
 The prefix cache and prompt modules follow from them (integration/spec.py): a
 policy that needs_scores scores a request's shared first blocks in private
-rows (core/private_scores.py); a window policy's hit stops short of the
-prompt's last `window` tokens, whose queries it needs.
+rows (core/private_scores.py); a window policy's window is the newest queries
+the request computed, so after a prefix hit it holds the uncached end of the
+prompt (at most `window` tokens, at least one).
 """
 
 from __future__ import annotations

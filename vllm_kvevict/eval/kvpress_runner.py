@@ -310,6 +310,12 @@ class Runner:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=getattr(torch, dtype), attn_implementation=attn_impl).eval()
+        cfg = self.model.config
+        if getattr(cfg, "head_dim", None) is None:
+            # kvpress 0.5.5's CriticalKVPress reads config.head_dim, which
+            # transformers 5.2's Qwen2Config does not define (every instance
+            # failed with AttributeError); it is hidden / heads there.
+            cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.pipe = pipeline("kv-press-text-generation", model=self.model,
                              tokenizer=self.tokenizer)
         eos = self.model.generation_config.eos_token_id

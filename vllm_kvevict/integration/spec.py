@@ -129,19 +129,6 @@ class EvictableAttentionManager(FullAttentionManager):
         return super().allocate_new_blocks(
             request_id, num_tokens - ev, num_tokens_main_model - ev, *args, **kwargs)
 
-    @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length: int, kv_cache_group_ids,
-                               block_pool, kv_cache_spec, *args, **kwargs):
-        """vLLM's prefix lookup, leaving the prompt's last `window` tokens to be
-        computed under snapkv/andpro: those queries are the observation window
-        that scores the prompt when it is compressed, and a hit would skip them."""
-        cfg = getattr(kv_cache_spec, "eviction", None)
-        if cfg is not None and cfg.enabled and make_policy(cfg.policy, cfg.sink,
-                                                           cfg.window).window:
-            max_length = max(0, max_length - cfg.window)
-        return super().find_longest_cache_hit(block_hashes, max_length, kv_cache_group_ids,
-                                              block_pool, kv_cache_spec, *args, **kwargs)
-
     def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence,
                                   num_local_computed_tokens: int, *args, **kwargs) -> None:
         """vLLM attaching a request's prefix hit (or imported prompt modules,
