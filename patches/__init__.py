@@ -22,7 +22,7 @@ tests/test_import_graph.py fails on a private name used there but not here):
 
 | where                         | internal                                  | why |
 |-------------------------------|-------------------------------------------|-----|
-| integration/spec.py           | FullAttentionManager (subclassed: get_num_blocks_to_allocate, remove_skipped_blocks, free, req_to_blocks, num_cached_block) | the block manager that frees evicted blocks |
+| integration/spec.py           | FullAttentionManager (subclassed: get_num_blocks_to_allocate, allocate_new_blocks, add_local_computed_blocks, cache_blocks, remove_skipped_blocks, pop_blocks_for_free, req_to_blocks, num_cached_block) | the block manager that frees evicted blocks and learns of prefix hits |
 | integration/spec.py           | max_admission_blocks_per_request (set)    | vLLM's admission cap, read for sliding-window specs; ours for budgets |
 | integration/spec.py           | BlockPool._maybe_evict_cached_block       | a kept block is rewritten by compaction: its prefix-cache hash must go first |
 | integration/spec.py           | KVCacheSpecRegistry._ensure_registered    | registration is one-shot: the built-in specs must be registered before ours |
