@@ -401,7 +401,10 @@ def test_h2o_with_a_prefix_hit_matches_dense_reference(llm, hf):
     pool = _block_pool(llm)
     hashed = {h: blk.block_id for h, blk in _cached_blocks(pool)}
     before = _block_bytes(sorted(hashed.values()))
+    deferred = _worker().chunk_log.deferred_tokens
     got_tokens, snaps, cached = _vllm_generate(llm, b, 40, salt=salt)
+    # B's 100 uncached prompt tokens were scored at the next step's start.
+    assert _worker().chunk_log.deferred_tokens == deferred + len(b) - cached
     assert cached == 96, f"B should reuse A's 3 full blocks, got {cached} cached tokens"
     still = [hashed[h] for h, blk in _cached_blocks(pool) if hashed.get(h) == blk.block_id]
     assert len(still) >= 3
@@ -419,10 +422,14 @@ def test_h2o_with_a_prefix_hit_matches_dense_reference(llm, hf):
     assert got_tokens == ref_tokens
 
 
-def _open_private_rows() -> dict:
+def _worker():
     from vllm_kvevict.integration.worker import worker_state
 
-    return worker_state().private.tokens
+    return worker_state()
+
+
+def _open_private_rows() -> dict:
+    return _worker().private.tokens
 
 
 def _block_pool(engine):

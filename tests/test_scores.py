@@ -131,3 +131,48 @@ def test_private_rows_take_a_shared_prefix_scores_and_leave_its_slots_alone():
                                rtol=1e-5, atol=1e-6)
     assert got2[:, : 2 * BS].sum() == 0  # the shared slots got nothing
     torch.testing.assert_close(got2[:, sharer_slots[n:]], step[:, sharer_slots[n:]])
+
+
+def test_chunk_log_scores_a_deferred_chunk_as_its_forward_would():
+    """A step with a 5-token prefill chunk (after 40 resident tokens) and a
+    decode row: the chunk log takes the chunk, the step scores only the decode
+    row, and the flush at the next step's start adds exactly what scoring the
+    chunk in its forward would have. A chunk over max_tokens is not taken, and
+    a dropped request's chunk adds nothing."""
+    from vllm_kvevict.core.chunk_log import ChunkLog
+    from vllm_kvevict.core.layer_stack import LayerCache
+
+    gen = torch.Generator().manual_seed(8)
+    h, g = 3, 3
+    kv = torch.zeros(NB, h, BS, 2 * D)
+    kc, vc = split_kv_cache(kv)
+    keys = torch.randn(NB * BS, h, D, generator=gen)
+    ops.cpu_attn_reshape_and_cache(keys, keys, kc, vc, torch.arange(NB * BS), "vec")
+    layout = discover_layout("vec", torch.float32, BS, D, h)
+    table = torch.stack([torch.arange(0, 4), torch.arange(4, 8)])
+    seq, qsl = torch.tensor([45, 20]), torch.tensor([0, 5, 6])
+    slot_mapping = torch.cat([torch.arange(40, 45), torch.tensor([4 * BS + 19])])
+    query = torch.randn(6, h * g, D, generator=gen)
+    want = torch.zeros(h, NB * BS)
+    accumulate_scores(want, layout, kc, query, qsl, seq, table, slot_mapping, 0.2)
+
+    log = ChunkLog(max_tokens=8)
+    deferred = log.place(["a", "b"], [5, 1], [45, 20])
+    assert deferred.tolist() == [True, False]
+    lc = LayerCache(kv, layout, torch.zeros(h, NB * BS))
+    accumulate_scores(lc.scores, layout, kc, query, qsl, seq, table, slot_mapping, 0.2,
+                      rows=~deferred)
+    log.record("l0", query, 0.2)
+    assert lc.scores[:, :4 * BS].sum() == 0  # nothing for the chunk yet
+    log.flush({"l0": lc}, {"a": table[0].tolist(), "b": table[1].tolist()}.get)
+    torch.testing.assert_close(lc.scores, want, rtol=1e-5, atol=1e-6)
+    assert not log.chunks and not log.queries
+
+    assert ChunkLog(max_tokens=4).place(["a", "b"], [5, 1], [45, 20]) is None
+    dropped = ChunkLog(max_tokens=8)
+    dropped.place(["a", "b"], [5, 1], [45, 20])
+    dropped.record("l0", query, 0.2)
+    dropped.drop(["a"])
+    before = lc.scores.clone()
+    dropped.flush({"l0": lc}, {"a": table[0].tolist()}.get)
+    assert torch.equal(lc.scores, before)

@@ -38,6 +38,8 @@ class StepPlacement:
     """Where this step's queries go: token index -> (buffer row, column)."""
     tokens: torch.Tensor  # (N,) int64 token indices in the step's query tensor
     cells: torch.Tensor   # (N,) int64 row * columns + column
+    # (num_reqs,) bool: prefill rows a ChunkLog took, to score next step (H2O)
+    deferred: torch.Tensor | None = None
 
 
 def free_row(row_of: dict[str, int]) -> int:

@@ -117,7 +117,8 @@ def write_kv(impl, layer, key, value, kv_cache, attn_metadata) -> None:
 def score_step(impl, layer, query, kv_cache, attn_metadata, make_layout) -> None:
     """Register the layer's cache with the worker state and, under a scoring
     policy, add this step's attention to the per-slot scores. Decode queries go
-    to the decode log when the builder placed them there (CPU), else are scored now."""
+    to the decode log and short prefill chunks to the chunk log when the builder
+    placed them there (CPU), else are scored now."""
     state = worker_state()
     if state is None or impl.attn_type != AttentionType.DECODER:
         return
@@ -130,15 +131,18 @@ def score_step(impl, layer, query, kv_cache, attn_metadata, make_layout) -> None
         return
     if not state.policy.needs_scores:
         return
+    rows = getattr(attn_metadata, SCORED_ATTR, None)
     if placement is not None:
         state.decode_log.record(layer.layer_name, query[:n], placement, impl.scale)
+        if placement.deferred is not None:  # scored at the next step's start
+            state.chunk_log.record(layer.layer_name, query[:n], impl.scale)
+            rows = ~placement.deferred if rows is None else rows & ~placement.deferred
     key_cache, _ = lc.layout.split(kv_cache)
     host = getattr(attn_metadata, HOST_ATTR, None) or HostLens(None, None)
     accumulate_scores(lc.scores, lc.layout, key_cache, query[:n],
                       attn_metadata.query_start_loc, attn_metadata.seq_lens,
                       attn_metadata.block_table, attn_metadata.slot_mapping, impl.scale,
-                      decode=placement is None,
-                      rows=getattr(attn_metadata, SCORED_ATTR, None),
+                      decode=placement is None, rows=rows,
                       query_start_loc_cpu=host.query_start_loc, seq_lens_cpu=host.seq_lens,
                       private=state.private_rows(layer.layer_name, lc,
                                                  attn_metadata.query_start_loc.shape[0] - 1))

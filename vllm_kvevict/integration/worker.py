@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from vllm_kvevict.core.chunk_log import ChunkLog
 from vllm_kvevict.core.compaction import by_age, fill_holes, slot_order
 from vllm_kvevict.core.config import EvictionConfig
 from vllm_kvevict.core.cpu_layout import token_slots
@@ -68,6 +69,7 @@ class WorkerEviction:
         self.order: dict[str, torch.Tensor] = {}
         self.record_kept = False  # tests turn this on
         self.decode_log = DecodeQueryLog()
+        self.chunk_log = ChunkLog()  # h2o: short prefill chunks, scored next step
         self.private = PrivateScores()  # h2o: scores of shared first blocks
         self.query_window = QueryWindow(cfg.window)  # used by snapkv/andpro only
         self.num_windowless = 0  # snapkv/andpro compactions that found no window
@@ -117,7 +119,7 @@ class WorkerEviction:
             return
         # Freed blocks may already belong to someone else: forget queries that
         # would read them. Then score what waits for requests about to move.
-        for log in (self.decode_log, self.query_window):
+        for log in (self.decode_log, self.query_window, self.chunk_log):
             log.drop(step.released)
             log.drop(scheduler_output.finished_req_ids)
         self.unscored.difference_update(step.released)
@@ -132,6 +134,7 @@ class WorkerEviction:
             for req_id, n in step.shared_prefix.items():
                 if req_id not in self.unscored:
                     self.private.open(req_id, n)
+        self.chunk_log.flush(self.layers, self._block_ids, self._private_of)
         self.decode_log.flush([p.req_id for p in step.plans], self.layers, self._block_ids,
                               self._private_of)
         if step.plans:
@@ -188,7 +191,8 @@ class WorkerEviction:
         """Once per step, from the metadata builder: where this step's queries
         are kept. snapkv/andpro: ring cells of each request's newest tokens
         (logical positions). h2o (CPU): log slots of the scored decode queries
-        (physical seq_lens). None otherwise (h2o then scores everything now),
+        (physical seq_lens), and the short prefill chunks the chunk log takes.
+        None otherwise (h2o then scores everything now),
         e.g. for a second builder in the same step or a dummy run."""
         if not self._step_open or self.runner is None:
             return None
@@ -207,8 +211,10 @@ class WorkerEviction:
         qsl = query_start_loc[: num_reqs + 1].tolist()
         q_lens = [b - a for a, b in zip(qsl, qsl[1:])]
         req_ids = self.runner.input_batch.req_ids[:num_reqs]
-        return self.decode_log.place(req_ids, q_lens, seq_lens[:num_reqs].tolist(),
-                                     None if scored is None else scored.tolist())
+        seq, keep = seq_lens[:num_reqs].tolist(), None if scored is None else scored.tolist()
+        placement = self.decode_log.place(req_ids, q_lens, seq, keep)
+        placement.deferred = self.chunk_log.place(req_ids, q_lens, seq, keep)
+        return placement
 
     def evicted_per_row(self, num_reqs: int) -> torch.Tensor | None:
         """(num_reqs,) int32 offsets logical - physical in batch order, or None."""
