@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.core.decode_log import PrivateOf
-from vllm_kvevict.core.scores import score_queries
+from vllm_kvevict.core.decode_log import PrivateOf, score_logged
 
 
 @dataclass(frozen=True)
 class Chunk:
     req_id: str
+    start: int    # its first query's row in `queries`
     n: int        # tokens in the chunk
     seq_len: int  # physical length after it: query t sees seq_len - n + 1 + t keys
 
@@ -53,7 +53,7 @@ class ChunkLog:
         tokens, total, start = [], 0, 0
         for i, (req_id, n, s) in enumerate(zip(req_ids, q_lens, seq_lens)):
             if n > 1 and (scored is None or scored[i]) and total + n <= self.max_tokens:
-                self.chunks.append(Chunk(req_id, n, s))
+                self.chunks.append(Chunk(req_id, total, n, s))
                 tokens.append(torch.arange(start, start + n))
                 taken[i] = True
                 total += n
@@ -74,14 +74,7 @@ class ChunkLog:
         """Forget the chunks of requests whose blocks were freed (finished,
         aborted, preempted): their blocks may already hold another's KV."""
         gone = set(req_ids)
-        if not gone.intersection(c.req_id for c in self.chunks):
-            return
-        keep = [i for i, c in enumerate(self.chunks) if c.req_id not in gone]
-        offsets = torch.tensor([0] + [c.n for c in self.chunks]).cumsum(0)
-        rows = torch.cat([torch.arange(int(offsets[i]), int(offsets[i + 1])) for i in keep]
-                         or [torch.empty(0, dtype=torch.int64)])
-        self.chunks = [self.chunks[i] for i in keep]
-        self.queries = {k: q[rows.to(q.device)] for k, q in self.queries.items()}
+        self.chunks = [c for c in self.chunks if c.req_id not in gone]
 
     def flush(self, layers: dict, block_ids_of: Callable[[str], list[int] | None],
               private_of: PrivateOf | None = None) -> None:
@@ -91,21 +84,20 @@ class ChunkLog:
         DecodeQueryLog.flush (a request the worker no longer knows is skipped)."""
         chunks, self.chunks = self.chunks, []
         queries, self.queries = self.queries, {}
-        if not queries:
+        blocks = {c.req_id: block_ids_of(c.req_id) for c in chunks}
+        chunks = [c for c in chunks if blocks[c.req_id] is not None]
+        if not chunks or not queries:
             return
-        start = 0
-        for c in chunks:
-            blocks = block_ids_of(c.req_id)
-            if blocks is not None:
-                any_layer = next(iter(layers.values()))
-                nblk = -(-c.seq_len // any_layer.layout.block_size)
-                block_rows = torch.tensor(blocks[:nblk], dtype=torch.int64)[None]
-                visible = torch.arange(c.seq_len - c.n + 1, c.seq_len + 1)[None]
-                for name, q in queries.items():
-                    lc = layers[name]
-                    key_cache, _ = lc.layout.split(lc.kv_cache)
-                    private = None if private_of is None else private_of(c.req_id, name, lc)
-                    score_queries(lc.scores, lc.layout, key_cache, q[None, start:start + c.n],
-                                  visible, block_rows, self.scale[name],
-                                  None if private is None else [private])
-            start += c.n
+        # One padded row per chunk: (R, Q) rows of `queries`, and the keys each
+        # query sees (0 for padding, which adds nothing).
+        nq = max(c.n for c in chunks)
+        index = torch.zeros(len(chunks), nq, dtype=torch.int64)
+        visible = torch.zeros(len(chunks), nq, dtype=torch.int64)
+        for i, c in enumerate(chunks):
+            index[i, : c.n] = torch.arange(c.start, c.start + c.n)
+            visible[i, : c.n] = torch.arange(c.seq_len - c.n + 1, c.seq_len + 1)
+        ids = [c.req_id for c in chunks]
+        score_logged(layers, ids, [blocks[r] for r in ids], visible,
+                     lambda name: None if name not in queries
+                     else queries[name][index.to(queries[name].device)],
+                     self.scale, private_of)

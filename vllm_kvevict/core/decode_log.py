@@ -67,6 +67,34 @@ def store_queries(queries: dict[str, torch.Tensor], layer: str, query: torch.Ten
             0, placement.cells.to(buf.device), query[placement.tokens.to(query.device)])
 
 
+def score_logged(layers: dict, req_ids: list[str], blocks: list[list[int]],
+                 visible: torch.Tensor, queries_of: Callable[[str], torch.Tensor | None],
+                 scale: dict[str, float], private_of: PrivateOf | None = None) -> None:
+    """Score logged queries of `req_ids` in every layer (one score_queries call
+    per layer). Shared by the decode log and the chunk log.
+
+    blocks:     each request's block ids (worker's copy)
+    visible:    (R, Q) int64 physical keys each query sees, 0 = padding
+    queries_of: layer name -> (R, Q, H_q, D) the queries, or None (not logged)
+    private_of: (req_id, layer, lc) -> its private score row, or None
+    """
+    bs = next(iter(layers.values())).layout.block_size
+    nblk = -(-int(visible.max()) // bs)
+    block_rows = torch.zeros(len(req_ids), nblk, dtype=torch.int64)
+    for i, row in enumerate(blocks):
+        row = row[:nblk]
+        block_rows[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
+    for name, lc in layers.items():
+        q = queries_of(name)
+        if q is None:
+            continue
+        key_cache, _ = lc.layout.split(lc.kv_cache)
+        private = None if private_of is None else [private_of(r, name, lc) for r in req_ids]
+        score_queries(lc.scores, lc.layout, key_cache, q, visible, block_rows, scale[name],
+                      None if private is None or not any(p is not None for p in private)
+                      else private)
+
+
 class DecodeQueryLog:
     def __init__(self, depth: int = 16) -> None:
         self.depth = depth
@@ -152,24 +180,9 @@ class DecodeQueryLog:
             return
         rows = torch.tensor([self.row_of[r] for r in ids], dtype=torch.int64)
         nq = max(self.count[r] for r in ids)
-        visible = self.visible[rows, :nq]
-        any_layer = next(iter(layers.values()))
-        bs = any_layer.layout.block_size
-        nblk = -(-int(visible.max()) // bs)
-        block_rows = torch.zeros(len(ids), nblk, dtype=torch.int64)
-        for i, r in enumerate(ids):
-            row = blocks[r][:nblk]
-            block_rows[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
-        for name, lc in layers.items():
-            buf = self.queries.get(name)
-            if buf is None:
-                continue
-            key_cache, _ = lc.layout.split(lc.kv_cache)
-            private = None if private_of is None else [private_of(r, name, lc) for r in ids]
-            score_queries(lc.scores, lc.layout, key_cache, buf[rows, :nq], visible,
-                          block_rows, self.scale[name],
-                          None if private is None or not any(p is not None for p in private)
-                          else private)
+        score_logged(layers, ids, [blocks[r] for r in ids], self.visible[rows, :nq],
+                     lambda name: None if name not in self.queries
+                     else self.queries[name][rows, :nq], self.scale, private_of)
         self.visible[rows] = 0
         for r in ids:
             self.count[r] = 0
