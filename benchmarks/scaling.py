@@ -180,16 +180,18 @@ class Timers:
 def install_timers() -> Timers:
     """Wrap the plugin's per-step functions where they are looked up: methods on
     their classes, module-level functions in the module that calls them."""
-    from vllm_kvevict.integration import backend, decode_log, spec, worker
+    from vllm_kvevict.core import chunk_log, decode_log
+    from vllm_kvevict.integration import cpu_backend, spec, worker
 
     t = Timers()
-    t.patch(backend, "score_step", "scoring")  # called by EvictingCPUAttentionImpl.forward
+    t.patch(cpu_backend, "score_step", "scoring")  # called by EvictingCPUAttentionImpl.forward
     t.patch(decode_log.DecodeQueryLog, "flush", "scoring")
+    t.patch(chunk_log.ChunkLog, "flush", "scoring")
     t.patch(worker.WorkerEviction, "_window_scores", "scoring")
     t.patch(worker.WorkerEviction, "_compact", "compaction")
     t.patch(worker.WorkerEviction, "begin_step", "bookkeeping")
     t.patch(worker.WorkerEviction, "place_queries", "bookkeeping")
-    t.patch(backend, "physical_metadata", "bookkeeping")  # called by the metadata builder
+    t.patch(cpu_backend, "physical_metadata", "bookkeeping")  # called by the metadata builder
     t.patch(spec.EvictableAttentionManager, "remove_skipped_blocks", "bookkeeping")
     return t
 

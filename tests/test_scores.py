@@ -140,7 +140,7 @@ def test_chunk_log_scores_a_deferred_chunk_as_its_forward_would():
     chunk in its forward would have. A chunk over max_tokens is not taken, and
     a dropped request's chunk adds nothing."""
     from vllm_kvevict.core.chunk_log import ChunkLog
-    from vllm_kvevict.core.layer_stack import LayerCache
+    from vllm_kvevict.core.layer_stack import LayerCache, LayerStack
 
     gen = torch.Generator().manual_seed(8)
     h, g = 3, 3
@@ -160,11 +160,12 @@ def test_chunk_log_scores_a_deferred_chunk_as_its_forward_would():
     deferred = log.place(["a", "b"], [5, 1], [45, 20])
     assert deferred.tolist() == [True, False]
     lc = LayerCache(kv, layout, torch.zeros(h, NB * BS))
+    stacks = LayerStack.build({"l0": lc})  # lc.scores is now a view of the stack's
     accumulate_scores(lc.scores, layout, kc, query, qsl, seq, table, slot_mapping, 0.2,
                       rows=~deferred)
     log.record("l0", query, 0.2)
     assert lc.scores[:, :4 * BS].sum() == 0  # nothing for the chunk yet
-    log.flush({"l0": lc}, {"a": table[0].tolist(), "b": table[1].tolist()}.get)
+    log.flush(stacks, {"a": table[0].tolist(), "b": table[1].tolist()}.get)
     torch.testing.assert_close(lc.scores, want, rtol=1e-5, atol=1e-6)
     assert not log.chunks and not log.queries
 
@@ -174,5 +175,56 @@ def test_chunk_log_scores_a_deferred_chunk_as_its_forward_would():
     dropped.record("l0", query, 0.2)
     dropped.drop(["a"])
     before = lc.scores.clone()
-    dropped.flush({"l0": lc}, {"a": table[0].tolist()}.get)
+    dropped.flush(stacks, {"a": table[0].tolist()}.get)
     assert torch.equal(lc.scores, before)
+
+
+def test_decode_log_flush_scores_every_layer_of_a_stack_in_one_call():
+    """Three layers in one buffer (as vLLM allocates them), one LayerStack: the
+    decode log's flush scores each layer's logged queries against that layer's
+    keys only, equal to the dense loop per layer; a request's private row (layer
+    1 only) takes its first positions there instead of the shared slots."""
+    from vllm_kvevict.core.decode_log import DecodeQueryLog
+    from vllm_kvevict.core.layer_stack import LayerCache, LayerStack
+
+    gen = torch.Generator().manual_seed(11)
+    h, g, n_layers = 3, 3, 3
+    buf = torch.zeros(n_layers, NB, h, BS, 2 * D)
+    layout = discover_layout("vec", torch.float32, BS, D, h)
+    keys = []
+    for layer in range(n_layers):
+        kc, vc = split_kv_cache(buf[layer])
+        k = torch.randn(NB * BS, h, D, generator=gen)
+        ops.cpu_attn_reshape_and_cache(k, k, kc, vc, torch.arange(NB * BS), "vec")
+        keys.append(k)
+    layers = {f"l{i}": LayerCache(buf[i], layout, torch.zeros(h, NB * BS))
+              for i in range(n_layers)}
+    stacks = LayerStack.build(layers)
+    assert len(stacks) == 1 and stacks[0].num_layers == n_layers
+
+    table = {"a": [3, 7, 1], "b": [10, 2]}
+    log = DecodeQueryLog(depth=4)
+    queries = {name: [] for name in layers}
+    for step, seq in enumerate([(40, 20), (41, 21), (42, 22)]):
+        placement = log.place(["a", "b"], [1, 1], list(seq))
+        for name in layers:
+            q = torch.randn(2, h * g, D, generator=gen)
+            log.record(name, q, placement, 0.2)
+            queries[name].append(q)
+    private = torch.zeros(h, 16)  # "b" scores its first 16 positions in layer 1 here
+    log.flush(["a", "b"], stacks, table.get,
+              lambda r, name, st: private if (r, name) == ("b", "l1") else None)
+
+    for i, name in enumerate(layers):
+        want = torch.zeros(h, NB * BS)
+        q = torch.stack(queries[name], dim=1)  # (R=2, 3 steps, H_q, D)
+        _dense(want, keys[i].float(), q, torch.tensor([[40, 41, 42], [20, 21, 22]]),
+               [torch.tensor(table["a"]), torch.tensor(table["b"])], 0.2)
+        got = layers[name].scores
+        if name == "l1":
+            b_slots = (torch.tensor(table["b"])[:, None] * BS + torch.arange(BS)).flatten()
+            torch.testing.assert_close(private, want[:, b_slots[:16]], rtol=1e-5, atol=1e-6)
+            assert got[:, b_slots[:16]].sum() == 0
+            want[:, b_slots[:16]] = 0
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert not any(log.count.values())

@@ -76,11 +76,11 @@ class ChunkLog:
         gone = set(req_ids)
         self.chunks = [c for c in self.chunks if c.req_id not in gone]
 
-    def flush(self, layers: dict, block_ids_of: Callable[[str], list[int] | None],
+    def flush(self, stacks: list, block_ids_of: Callable[[str], list[int] | None],
               private_of: PrivateOf | None = None) -> None:
         """Score every waiting chunk in every layer, then clear the log.
 
-        layers: name -> layer_stack.LayerCache; block_ids_of / private_of as for
+        stacks: the worker's layer_stack.LayerStacks; block_ids_of / private_of as for
         DecodeQueryLog.flush (a request the worker no longer knows is skipped)."""
         chunks, self.chunks = self.chunks, []
         queries, self.queries = self.queries, {}
@@ -97,7 +97,7 @@ class ChunkLog:
             index[i, : c.n] = torch.arange(c.start, c.start + c.n)
             visible[i, : c.n] = torch.arange(c.seq_len - c.n + 1, c.seq_len + 1)
         ids = [c.req_id for c in chunks]
-        score_logged(layers, ids, [blocks[r] for r in ids], visible,
+        score_logged(stacks, ids, [blocks[r] for r in ids], visible,
                      lambda name: None if name not in queries
                      else queries[name][index.to(queries[name].device)],
                      self.scale, private_of)

@@ -29,7 +29,8 @@ import torch
 from vllm_kvevict.core.scores import score_queries
 
 
-# (req_id, layer name, LayerCache) -> the request's private score row there, or None
+# (req_id, layer name, LayerStack holding it) -> the request's private score
+# row there, or None
 PrivateOf = Callable[[str, str, Any], "torch.Tensor | None"]
 
 
@@ -40,6 +41,9 @@ class StepPlacement:
     cells: torch.Tensor   # (N,) int64 row * columns + column
     # (num_reqs,) bool: prefill rows a ChunkLog took, to score next step (H2O)
     deferred: torch.Tensor | None = None
+    # Some row is scored in the forward (a prefill chunk neither deferred nor
+    # unscored). False: the layers only log queries and zero the new slots.
+    score_now: bool = True
 
 
 def free_row(row_of: dict[str, int]) -> int:
@@ -67,32 +71,45 @@ def store_queries(queries: dict[str, torch.Tensor], layer: str, query: torch.Ten
             0, placement.cells.to(buf.device), query[placement.tokens.to(query.device)])
 
 
-def score_logged(layers: dict, req_ids: list[str], blocks: list[list[int]],
+def score_logged(stacks: list, req_ids: list[str], blocks: list[list[int]],
                  visible: torch.Tensor, queries_of: Callable[[str], torch.Tensor | None],
                  scale: dict[str, float], private_of: PrivateOf | None = None) -> None:
-    """Score logged queries of `req_ids` in every layer (one score_queries call
-    per layer). Shared by the decode log and the chunk log.
+    """Score logged queries of `req_ids` in every layer: one score_queries call
+    per layer stack (per scale), its rows every (layer, request) pair, so the
+    per-call work (masks, slot lists, dispatch) is paid once, not per layer.
+    Shared by the decode log and the chunk log.
 
+    stacks:     the worker's layer_stack.LayerStacks
     blocks:     each request's block ids (worker's copy)
     visible:    (R, Q) int64 physical keys each query sees, 0 = padding
     queries_of: layer name -> (R, Q, H_q, D) the queries, or None (not logged)
-    private_of: (req_id, layer, lc) -> its private score row, or None
+    private_of: (req_id, layer, stack) -> its private score row, or None
     """
-    bs = next(iter(layers.values())).layout.block_size
+    bs = stacks[0].layout.block_size
     nblk = -(-int(visible.max()) // bs)
     block_rows = torch.zeros(len(req_ids), nblk, dtype=torch.int64)
     for i, row in enumerate(blocks):
         row = row[:nblk]
         block_rows[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
-    for name, lc in layers.items():
-        q = queries_of(name)
-        if q is None:
-            continue
-        key_cache, _ = lc.layout.split(lc.kv_cache)
-        private = None if private_of is None else [private_of(r, name, lc) for r in req_ids]
-        score_queries(lc.scores, lc.layout, key_cache, q, visible, block_rows, scale[name],
-                      None if private is None or not any(p is not None for p in private)
-                      else private)
+    for st in stacks:
+        groups: dict[float, list[tuple[int, str, torch.Tensor]]] = {}
+        for layer, name in enumerate(st.names):
+            q = queries_of(name)
+            if q is not None:
+                groups.setdefault(scale[name], []).append((layer, name, q))
+        key_cache, _ = st.layout.split(st.kv_cache)
+        for sc, group in groups.items():
+            # Layer l's block b is block l * num_blocks + b of the stack.
+            offset = torch.tensor([layer * st.num_blocks for layer, _, _ in group])
+            rows = (block_rows[None] + offset[:, None, None]).flatten(0, 1)
+            private = None
+            if private_of is not None:
+                private = [private_of(r, name, st) for _, name, _ in group for r in req_ids]
+                if all(p is None for p in private):
+                    private = None
+            score_queries(st.scores, st.layout, key_cache,
+                          torch.cat([q for _, _, q in group]), visible.repeat(len(group), 1),
+                          rows, sc, private)
 
 
 class DecodeQueryLog:
@@ -161,15 +178,15 @@ class DecodeQueryLog:
 
     # --- flush -----------------------------------------------------------------
 
-    def flush(self, req_ids: Iterable[str], layers: dict,
+    def flush(self, req_ids: Iterable[str], stacks: list,
               block_ids_of: Callable[[str], list[int] | None],
               private_of: PrivateOf | None = None) -> None:
         """Score the waiting queries of `req_ids` in every layer, then clear them.
 
-        layers: name -> layer_stack.LayerCache (kv_cache, layout, scores).
+        stacks: the worker's layer_stack.LayerStacks (cache, layout, scores).
         block_ids_of(req_id): the request's current block ids (worker's copy),
         None if the worker no longer knows it (its queries are dropped).
-        private_of(req_id, layer, lc): its private score row in that layer, or
+        private_of(req_id, layer, stack): its private score row in that layer, or
         None (core/private_scores.py).
         """
         ids = [r for r in req_ids if self.count.get(r, 0) > 0]
@@ -180,13 +197,13 @@ class DecodeQueryLog:
             return
         rows = torch.tensor([self.row_of[r] for r in ids], dtype=torch.int64)
         nq = max(self.count[r] for r in ids)
-        score_logged(layers, ids, [blocks[r] for r in ids], self.visible[rows, :nq],
+        score_logged(stacks, ids, [blocks[r] for r in ids], self.visible[rows, :nq],
                      lambda name: None if name not in self.queries
                      else self.queries[name][rows, :nq], self.scale, private_of)
         self.visible[rows] = 0
         for r in ids:
             self.count[r] = 0
 
-    def flush_all(self, layers: dict, block_ids_of: Callable[[str], list[int] | None],
+    def flush_all(self, stacks: list, block_ids_of: Callable[[str], list[int] | None],
                   private_of: PrivateOf | None = None) -> None:
-        self.flush(list(self.count), layers, block_ids_of, private_of)
+        self.flush(list(self.count), stacks, block_ids_of, private_of)

@@ -137,6 +137,10 @@ def score_step(impl, layer, query, kv_cache, attn_metadata, make_layout) -> None
         if placement.deferred is not None:  # scored at the next step's start
             state.chunk_log.record(layer.layer_name, query[:n], impl.scale)
             rows = ~placement.deferred if rows is None else rows & ~placement.deferred
+        if not placement.score_now:  # every row logged, deferred or unscored
+            # New tokens start with zero importance, whatever the slot held before.
+            lc.scores.index_fill_(1, attn_metadata.slot_mapping[:n].long(), 0.0)
+            return
     key_cache, _ = lc.layout.split(kv_cache)
     host = getattr(attn_metadata, HOST_ATTR, None) or HostLens(None, None)
     accumulate_scores(lc.scores, lc.layout, key_cache, query[:n],

@@ -134,8 +134,9 @@ class WorkerEviction:
             for req_id, n in step.shared_prefix.items():
                 if req_id not in self.unscored:
                     self.private.open(req_id, n)
-        self.chunk_log.flush(self.layers, self._block_ids, self._private_of)
-        self.decode_log.flush([p.req_id for p in step.plans], self.layers, self._block_ids,
+        if self.layers:
+            self.chunk_log.flush(self._stacks(), self._block_ids, self._private_of)
+            self.decode_log.flush([p.req_id for p in step.plans], self._stacks(), self._block_ids,
                               self._private_of)
         if step.plans:
             start = time.perf_counter()  # CPU: the work; CUDA: its launch (async)
@@ -163,8 +164,8 @@ class WorkerEviction:
         self._snapshot.write({"role": "worker", "rank": _tp_rank(),
                               "compaction_seconds": self.compaction_seconds})
 
-    def _private_of(self, req_id: str, layer: str, lc: LayerCache) -> torch.Tensor | None:
-        return self.private.of(req_id, layer, lc.layout.num_kv_heads, lc.scores.device)
+    def _private_of(self, req_id: str, layer: str, st: LayerStack) -> torch.Tensor | None:
+        return self.private.of(req_id, layer, st.layout.num_kv_heads, st.scores.device)
 
     def private_rows(self, layer: str, lc: LayerCache,
                      num_reqs: int) -> list[torch.Tensor | None] | None:
@@ -207,13 +208,16 @@ class WorkerEviction:
             return None
         self._step_open = False
         if self.decode_log.full():
-            self.decode_log.flush_all(self.layers, self._block_ids, self._private_of)
+            self.decode_log.flush_all(self._stacks(), self._block_ids, self._private_of)
         qsl = query_start_loc[: num_reqs + 1].tolist()
         q_lens = [b - a for a, b in zip(qsl, qsl[1:])]
         req_ids = self.runner.input_batch.req_ids[:num_reqs]
         seq, keep = seq_lens[:num_reqs].tolist(), None if scored is None else scored.tolist()
         placement = self.decode_log.place(req_ids, q_lens, seq, keep)
-        placement.deferred = self.chunk_log.place(req_ids, q_lens, seq, keep)
+        placement.deferred = deferred = self.chunk_log.place(req_ids, q_lens, seq, keep)
+        placement.score_now = any(
+            n > 1 and (keep is None or keep[i]) and (deferred is None or not deferred[i])
+            for i, n in enumerate(q_lens))
         return placement
 
     def evicted_per_row(self, num_reqs: int) -> torch.Tensor | None:
