@@ -21,8 +21,9 @@ Columns: wall clock of the generate call and output tok/s; agreement = mean
 fraction of each request's tokens equal to the full cache's before the first
 difference; KV traffic per generated token (offloaded to / fetched from the
 host tier, token-granular: what a real transfer moves, prefetched and on
-demand together); pool hit = selected host entries whose block was still in
-the pool; spec. recall = entries the layer's own query needed that the
+demand together); pool kept = offloaded entries still in the host pool at the
+end (a dropped block takes its entries and their partial keys with it, so
+selection never picks them: core/host_tier.py); spec. recall = entries the layer's own query needed that the
 KV connector had already prefetched from layer i-1's input (the paper's
 speculation), spec. precision = prefetched entries that were needed (both per
 query head); attended = mean tokens each
@@ -93,7 +94,7 @@ def run(model: str, name: str, extra: dict, reqs, args) -> dict:
         heads = host.num_kv_heads * (args.q_heads // host.num_kv_heads)
         row.update(offloaded_b_per_tok=s.bytes_offloaded / gen,
                    fetched_b_per_tok=s.bytes_fetched / gen,
-                   hit_rate=s.entries_fetched / max(1, s.entries_fetched + s.entries_missed),
+                   pool_kept=1 - s.entries_dropped / max(1, s.entries_offloaded),
                    spec_recall=s.speculation_hits / max(1, s.prefetch_needed),
                    spec_precision=s.speculation_hits / max(1, s.entries_speculated),
                    attended=s.attended_tokens / max(1, s.decode_rows * heads),
@@ -108,7 +109,7 @@ def run(model: str, name: str, extra: dict, reqs, args) -> dict:
 def table(rows: list[dict]) -> str:
     ref = rows[0]["ids"]
     out = ["| engine | wall s | tok/s | agreement | offloaded B/tok | fetched B/tok | "
-           "pool hit | spec. recall | spec. precision | attended | peak blocks |",
+           "pool kept | spec. recall | spec. precision | attended | peak blocks |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         agree = sum(agreement(a, b) for a, b in zip(r["ids"], ref)) / len(ref)
@@ -116,7 +117,7 @@ def table(rows: list[dict]) -> str:
         f = (lambda k, fmt: fmt.format(r[k]) if k in r else "-")
         out.append(f"| {r['name']} | {r['wall_s']:.1f} | {r['tok_s']:.1f} | {agree:.3f} | "
                    f"{f('offloaded_b_per_tok', '{:,.0f}')} | {f('fetched_b_per_tok', '{:,.0f}')} | "
-                   f"{f('hit_rate', '{:.3f}')} | {f('spec_recall', '{:.3f}')} | "
+                   f"{f('pool_kept', '{:.3f}')} | {f('spec_recall', '{:.3f}')} | "
                    f"{f('spec_precision', '{:.3f}')} | {f('attended', '{:.0f}')} | "
                    f"{r['peak_blocks']} |")
     return "\n".join(out)

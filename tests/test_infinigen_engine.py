@@ -83,7 +83,8 @@ def test_default_threshold_fetches_a_fraction_and_stays_close(engines, stock):
 
 def test_full_host_pool_drops_by_victim_policy_and_abort_frees_both_tiers(engines):
     """A 16 MiB pool cannot hold 4 requests' offloaded KV: the counter policy
-    drops blocks (a selected dropped entry is a miss). Aborting the requests
+    drops blocks (their entries leave with their partial keys: entries_dropped,
+    and every later fetch of those rows counts them in entries_missed). Aborting the requests
     mid-decode empties the host tier and vLLM's BlockPool."""
     from vllm_kvevict.integration.probe import attach
     from vllm_kvevict.integration.worker import worker_state
@@ -98,7 +99,7 @@ def test_full_host_pool_drops_by_victim_policy_and_abort_frees_both_tiers(engine
         engine.step()
     host = worker_state().host
     assert host.pool.stats.evictions > 0 and len(host.pool) == host.pool.capacity
-    assert host.stats.entries_missed > 0
+    assert host.stats.entries_dropped > 0 and host.stats.entries_missed > 0
     assert probe.used_blocks() > 0
     engine.abort_request([f"abort-{i}" for i in range(len(PROMPTS))])
     llm.generate(["hi"], greedy(2), use_tqdm=False)  # the step that tells the worker

@@ -154,7 +154,7 @@ def test_dropped_blocks_are_misses_and_free_empties_the_pool():
     sel = torch.arange(3 * BS).expand(1, HQ, -1)  # every entry of layer 0
     _, _, mask = tier.fetch(["x"], 0, sel, G)
     assert not mask[0, :, :2 * BS].any() and mask[0, :, 2 * BS:].all()  # fifo dropped 0, 1
-    assert tier.stats.entries_missed == H * 2 * BS
+    assert tier.stats.entries_missed == H * 2 * BS == tier.stats.entries_dropped
     tier.offload("y", k[:, :, :BS], k[:, :, :BS])
     assert tier.free("x") + tier.free("y") == 4 and len(tier.pool) == 0
     assert "x" not in tier and tier.num_entries("y") == 0
@@ -173,3 +173,96 @@ def test_partial_block_padding_is_never_selected():
     sel = select_host_entries(torch.zeros(1, HQ, 1), lh.masked_fill(~valid[:, None], -math.inf),
                               torch.tensor([99]), math.inf)
     assert int(sel.max()) == BS and (sel >= 0).sum() == HQ * (BS + 1)
+
+
+@pytest.mark.parametrize("swap,dtype", [(1 << 20, torch.float32), (3 << 20, torch.bfloat16),
+                                        (777_777, torch.float16)])
+def test_pool_and_partial_keys_fit_the_swap_space(swap, dtype):
+    """K/V slab + partial-key slab <= --kv-swap-space, and one more slot per
+    layer would not fit (the budget is used, not just respected)."""
+    num_layers, bs, d, c = 2, 32, 64, 19
+    a = torch.eye(d).expand(num_layers, H, d, d)
+    cap = HostTier.capacity_for(swap, num_layers, H, bs, d, c, dtype)
+    tier = HostTier(cap, "counter", a, c, bs, dtype)
+    slab = tier.pool.slab.numel() * tier.pool.slab.element_size()
+    assert tier.pool.capacity == cap and cap % num_layers == 0
+    assert slab + tier.kp.numel() * 4 == tier.nbytes <= swap
+    assert tier.nbytes * (cap + num_layers) // cap > swap
+
+
+def test_the_worker_sizes_its_tier_by_the_swap_space(tmp_path):
+    """integration/offload_attention.host_tier: the tier it makes, partial keys
+    included, fits --kv-swap-space (16 MiB, SmolLM2's layout, one rank)."""
+    from types import SimpleNamespace
+
+    from vllm_kvevict.core.config import EvictionConfig
+    from vllm_kvevict.integration.offload_attention import OffloadState, host_tier
+
+    path = tmp_path / "skew.safetensors"
+    Skewing.identity(30, 3, 64).save(path)
+    cfg = EvictionConfig.from_dict({"kv_eviction": "infinigen", "kv_swap_space": "16MiB",
+                                    "kv_skewing": str(path)})
+    state = SimpleNamespace(cfg=cfg, offload=OffloadState("unused"))
+    layout = SimpleNamespace(num_kv_heads=3, block_size=32, head_size=64)
+    tier = host_tier(state, layout, torch.float32)
+    assert tier.c == 19 and 0.8 * cfg.swap_bytes < tier.nbytes <= cfg.swap_bytes == 16 << 20
+
+
+def test_offloads_append_partial_keys_and_leave_earlier_ones_alone():
+    """Two offloads (the first ends in a padded block): every layer's partial
+    keys are skew_keys of the entries offloaded, in order, padding invalid."""
+    gen = torch.Generator().manual_seed(4)
+    a = _skewing(2, gen)
+    tier = HostTier(capacity=100, victim="counter", a=a, num_partial=C, block_size=BS,
+                    dtype=torch.float32)
+    k1 = torch.randn(2, H, BS + 2, D, generator=gen)
+    k2 = torch.randn(2, H, 2 * BS, D, generator=gen)
+    tier.offload("x", k1, k1)
+    before = [tier.partial_keys(["x"], layer)[0].clone() for layer in range(2)]
+    tier.offload("y", k2[:, :, :3], k2[:, :, :3])  # another request between them
+    tier.offload("x", k2, k2)
+    for layer in range(2):
+        kp, valid = tier.partial_keys(["x", "y"], layer)
+        assert kp.shape == (2, H, 4 * BS, C)
+        want = skew_keys(torch.cat([k1[layer], k2[layer]], dim=1), a[layer])[..., :C]
+        got = kp[0][:, valid[0]]  # (H, E1 + E2, C): the padding dropped
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(kp[0, :, :2 * BS], before[layer][0])
+        assert valid[0].tolist() == [True] * (BS + 2) + [False] * (BS - 2) + [True] * 2 * BS
+        assert valid[1].sum() == 3 and tier.num_entries("x") == 3 * BS + 2
+        torch.testing.assert_close(kp[1][:, valid[1]], skew_keys(k2[layer, :, :3],
+                                                                 a[layer])[..., :C])
+
+
+@pytest.mark.parametrize("alpha,cap", [(4.0, 1000), (1.0, 1000), (4.0, 6), (1e9, 1000)])
+def test_dropped_block_leaves_with_its_partial_keys(alpha, cap):
+    """FIFO drops the first host block: its entries are invalid in
+    partial_keys, so decode equals the paper's reference on a cache without
+    those tokens (they are gone, not selected-and-missed); each fetch counts
+    them in entries_missed, entries_dropped once; the slot's new block has
+    its own partial keys."""
+    gen = torch.Generator().manual_seed(5)
+    a = _skewing(1, gen)[0]
+    q, k, v, mask, res_idx, host_idx = _row(gen, 40, 12)  # 28 host entries: 7 blocks
+    tier = HostTier(capacity=6, victim="fifo", a=a[None], num_partial=C, block_size=BS,
+                    dtype=torch.float32)
+    for part in (host_idx[:, :2 * BS], host_idx[:, 2 * BS:]):
+        tier.offload("x", _gather(k, part)[None], _gather(v, part)[None])
+    assert tier.pool.stats.evictions == 1 and ("x", 0, 0) not in tier.pool
+    assert tier.stats.entries_dropped == H * BS
+    kp, valid = tier.partial_keys(["x"], 0)
+    assert valid[0].tolist() == [False] * BS + [True] * 6 * BS
+    torch.testing.assert_close(kp[0, :, BS:], skew_keys(_gather(k, host_idx[:, BS:]), a)[..., :C])
+    assert kp[0, :, :BS].eq(0).all()
+
+    k_res, v_res = _gather(k, res_idx)[None], _gather(v, res_idx)[None]
+    missed = tier.stats.entries_missed
+    out = decode_attention(tier, ["x"], 0, q[None], k_res, v_res, torch.tensor([12]), alpha,
+                           torch.tensor([cap]), SCALE)
+    assert tier.stats.entries_missed - missed == H * BS  # one fetch
+    gone = torch.zeros(H, 40, dtype=torch.bool)
+    gone.scatter_(1, host_idx[:, :BS], True)
+    left = (~gone).nonzero()[:, 1].view(H, -1)  # (H, 36) tokens still somewhere
+    ref = infinigen_decode_reference(q, _gather(k, left), _gather(v, left), mask.gather(1, left),
+                                     a, C, alpha, cap, SCALE)
+    torch.testing.assert_close(out[0], ref, atol=1e-5, rtol=1e-5)

@@ -9,6 +9,7 @@ decode attention (the vLLM-free parts are in vllm_kvevict/core/offload.py).
   host_tier        the worker's HostTier, made on first use: the model's
                    skewing, loaded from that file (never computed in a
                    worker), this rank's KV heads, a pool of --kv-swap-space bytes
+                   (K/V blocks and partial keys together)
   host_decode      after the stock kernel has attended the resident cache,
                    decode rows of requests with host entries are attended
                    again over resident + host entries, and replace the stock
@@ -83,12 +84,13 @@ def host_tier(state, layout, dtype: torch.dtype) -> HostTier:
         h_total, h = sk.num_kv_heads, layout.num_kv_heads
         first = (_tp_rank() * h) % h_total  # this rank's KV heads
         a = sk.a[:, first:first + h]
-        block_bytes = 2 * h * layout.block_size * layout.head_size * dtype.itemsize
-        capacity = max(1, cfg.swap_bytes // (block_bytes * sk.num_layers) * sk.num_layers)
+        # K/V blocks and their partial keys share the budget (host_tier.py).
+        capacity = HostTier.capacity_for(cfg.swap_bytes, sk.num_layers, h, layout.block_size,
+                                         layout.head_size, sk.num_partial, dtype)
         off.tier = HostTier(capacity, cfg.host_victim, a, sk.num_partial, layout.block_size,
                             dtype, pin_memory=torch.cuda.is_available())
-        logger.info("vllm_kvevict: host tier of %d blocks (%.2f GiB), %d partial channels",
-                    capacity, capacity * block_bytes / 2**30, sk.num_partial)
+        logger.info("vllm_kvevict: host tier of %d blocks (%.2f GiB with partial keys), "
+                    "%d partial channels", capacity, off.tier.nbytes / 2**30, sk.num_partial)
     return off.tier
 
 
