@@ -25,7 +25,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from vllm_kvevict.core.config import EvictionConfig
-from vllm_kvevict.core.metrics import Snapshot
+from vllm_kvevict.core.metrics import BUSY_INTERVAL, Snapshot
 from vllm_kvevict.core.planner import compaction_target
 from vllm_kvevict.core.plans import CompactionPlan, EvictionStep
 from vllm_kvevict.core.policies import make_policy
@@ -246,9 +246,12 @@ class EvictableAttentionManager(FullAttentionManager):
     def write_metrics(self) -> None:
         """Cumulative counters and resident tokens for /metrics (core/metrics.py).
         Called after every schedule() and whenever a request's blocks are freed,
-        so an idle engine shows what it holds now."""
+        so an idle engine shows what it holds now; while requests run, at most
+        every BUSY_INTERVAL seconds (the values change every step)."""
         if self._snapshot is None:
             self._snapshot = Snapshot(f"scheduler-g{self.kv_cache_group_id}")
+        if self.req_to_blocks and not self._snapshot.due(BUSY_INTERVAL):
+            return
         logical = physical = 0
         for rid in self.req_to_blocks:
             req = self.requests.get(rid)
