@@ -7,13 +7,18 @@
 N requests share a ~2K-token system prompt (a passage of an Austen novel from
 the fidelity harness's texts) and each ends with its own question. They are
 sent one after the other to one engine per row, automatic prefix caching on
-(vLLM's default), each engine in a fresh process (`run_fresh`), same settings
-otherwise:
+(vLLM's default), each engine in a fresh process (`run_fresh`), a stock
+engine before the first policy and after each (a policy's TTFT is compared
+with the mean of the two stock runs beside it: the machine drifts by more than
+the plugin's cost over a run), same settings otherwise:
 
   stock        the plugin loaded, eviction off
   <policy>     --kv-eviction <policy> --kv-budget <budget>
 
-Per request: `max_tokens=1` (so latency = time to first token) and vLLM's own
+Per request: `max_tokens=1` (so latency = time to first token), the time
+spent in the plugin's per-step worker functions (benchmarks/scaling.py's
+timers: scoring, compaction, bookkeeping; the scheduler-side block manager is
+not in it) and vLLM's own
 `num_cached_tokens` (the offline counterpart of the server's
 `prompt_tokens_details.cached_tokens`). The first request is cold; the table
 reports the median over the other N - 1. A second pass per policy runs with
@@ -63,11 +68,16 @@ def run(model: str, name: str, extra: dict, prompts: list[str], args,
               enable_prefix_caching=True, additional_config=extra)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     llm.generate(["warm up"], SamplingParams(max_tokens=1), use_tqdm=False)
+    from scaling import install_timers  # benchmarks/scaling.py: the plugin's per-step functions
+
+    timers = install_timers()
     rows = []
     for prompt in prompts:
+        timers.reset()
         start = time.perf_counter()
         out = llm.generate([prompt], sp, use_tqdm=False)[0]
         rows.append({"ttft_s": time.perf_counter() - start,
+                     "plugin_s": sum(timers.seconds.values()),
                      "prompt_tokens": len(out.prompt_token_ids),
                      "cached_tokens": out.num_cached_tokens or 0,
                      "tokens": list(out.outputs[0].token_ids)})
@@ -86,20 +96,36 @@ def run_fresh(*args, **kwargs) -> dict:
         return pool.submit(run, *args, **kwargs).result()
 
 
+def p50(result: dict) -> float:
+    """Median TTFT of a run's warm requests (all but the first), seconds."""
+    return statistics.median(x["ttft_s"] for x in result["rows"][1:])
+
+
 def table(results: list[dict], identical: dict[str, bool]) -> str:
-    stock = results[0]
-    base = statistics.median(r["ttft_s"] for r in stock["rows"][1:])
+    """results: stock, then each policy followed by a stock run of its own;
+    a policy is compared with the mean of the stock runs on either side."""
+    stocks = [r for r in results if r["name"] == "stock"]
     lines = ["| engine | prompt tokens | cached tokens / request (median, after the first) "
-             "| TTFT p50 ms | vs stock | cold first request ms | tokens = stock at budget >= length |",
-             "|---|---|---|---|---|---|---|"]
-    for r in results:
+             "| TTFT p50 ms | vs stock (the runs either side) | plugin ms / request (p50) "
+             "| cold first request ms | tokens = stock at budget >= length |",
+             "|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(results):
         warm = r["rows"][1:]
-        p50 = statistics.median(x["ttft_s"] for x in warm)
         cached = statistics.median(x["cached_tokens"] for x in warm)
         toks = statistics.mean(x["prompt_tokens"] for x in r["rows"])
-        same = "(reference)" if r is stock else ("yes" if identical.get(r["name"]) else "NO")
-        lines.append(f"| {r['name']} | {toks:.0f} | {cached:.0f} | {1000 * p50:.0f} "
-                     f"| {p50 / base:.2f}x | {1000 * r['rows'][0]['ttft_s']:.0f} | {same} |")
+        plugin = statistics.median(x["plugin_s"] for x in warm)
+        if r["name"] == "stock":
+            if r is not stocks[0]:
+                continue
+            ms = sorted(1000 * p50(x) for x in stocks)
+            ttft = f"{statistics.median(ms):.0f} ({ms[0]:.0f}-{ms[-1]:.0f}, {len(ms)} runs)"
+            rel, same = "1.00x", "(reference)"
+        else:
+            ttft = f"{1000 * p50(r):.0f}"
+            rel = f"{p50(r) / ((p50(results[i - 1]) + p50(results[i + 1])) / 2):.2f}x"
+            same = "yes" if identical.get(r["name"]) else "NO"
+        lines.append(f"| {r['name']} | {toks:.0f} | {cached:.0f} | {ttft} | {rel} "
+                     f"| {1000 * plugin:.1f} | {1000 * r['rows'][0]['ttft_s']:.0f} | {same} |")
     return "\n".join(lines)
 
 
@@ -110,8 +136,13 @@ def plot(results: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    stock_runs = 0
     for r in results:
-        ax.plot([1000 * x["ttft_s"] for x in r["rows"]], "o-", label=r["name"])
+        label = r["name"]
+        if label == "stock":
+            stock_runs += 1
+            label = f"stock, run {stock_runs}"
+        ax.plot([1000 * x["ttft_s"] for x in r["rows"]], "o-", label=label)
     ax.set_xlabel("request (in order sent; the first is cold)")
     ax.set_ylabel("time to first token, ms")
     ax.set_yscale("log")
@@ -143,9 +174,13 @@ def main() -> None:
     prompts = [f"{system}\n\nQuestion: {QUESTIONS[i % len(QUESTIONS)]}\nAnswer:"
                for i in range(n)]
     policies = [x for x in args.policies.split(",") if x]
+    # Stock before and after every policy: this machine drifts by more than
+    # the plugin's cost between engines (stock's medians spread 76-84 ms).
     results = [run_fresh(model, "stock", {}, prompts, args)]
-    results += [run_fresh(model, pol, {"kv_eviction": pol, "kv_budget": args.budget}, prompts, args)
-                for pol in policies]
+    for pol in policies:
+        results.append(run_fresh(model, pol, {"kv_eviction": pol, "kv_budget": args.budget},
+                                 prompts, args))
+        results.append(run_fresh(model, "stock", {}, prompts, args))
     # Budget above every length: nothing is evicted, the prefix hits stay on.
     ref = run_fresh(model, "stock", {}, prompts, args, max_tokens=16)
     identical = {}
