@@ -45,6 +45,14 @@ class StepPlacement:
     # unscored). False: the layers only log queries and zero the new slots.
     score_now: bool = True
 
+    def defer(self, deferred: torch.Tensor | None, q_lens: list[int],
+              scored: list[bool] | None) -> None:
+        """Take the chunk log's rows (ChunkLog.place) and decide `score_now`."""
+        self.deferred = deferred
+        self.score_now = any(
+            n > 1 and (scored is None or scored[i]) and (deferred is None or not deferred[i])
+            for i, n in enumerate(q_lens))
+
 
 def free_row(row_of: dict[str, int]) -> int:
     """The lowest buffer row no request holds."""

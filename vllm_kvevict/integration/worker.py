@@ -134,9 +134,8 @@ class WorkerEviction:
             for req_id, n in step.shared_prefix.items():
                 if req_id not in self.unscored:
                     self.private.open(req_id, n)
-        if self.layers:
-            self.chunk_log.flush(self._stacks(), self._block_ids, self._private_of)
-            self.decode_log.flush([p.req_id for p in step.plans], self._stacks(), self._block_ids,
+        self.chunk_log.flush(self._stacks(), self._block_ids, self._private_of)
+        self.decode_log.flush([p.req_id for p in step.plans], self._stacks(), self._block_ids,
                               self._private_of)
         if step.plans:
             start = time.perf_counter()  # CPU: the work; CUDA: its launch (async)
@@ -214,10 +213,7 @@ class WorkerEviction:
         req_ids = self.runner.input_batch.req_ids[:num_reqs]
         seq, keep = seq_lens[:num_reqs].tolist(), None if scored is None else scored.tolist()
         placement = self.decode_log.place(req_ids, q_lens, seq, keep)
-        placement.deferred = deferred = self.chunk_log.place(req_ids, q_lens, seq, keep)
-        placement.score_now = any(
-            n > 1 and (keep is None or keep[i]) and (deferred is None or not deferred[i])
-            for i, n in enumerate(q_lens))
+        placement.defer(self.chunk_log.place(req_ids, q_lens, seq, keep), q_lens, keep)
         return placement
 
     def evicted_per_row(self, num_reqs: int) -> torch.Tensor | None:
@@ -234,9 +230,9 @@ class WorkerEviction:
         """The layers as few `LayerStack`s as possible: one when every layer's
         cache is an equally spaced slice of one buffer (vLLM allocates them so
         on CPU), else one per layer. Built once the layers are known."""
-        if self._stack_cache is None:
+        if self._stack_cache is None and self.layers:
             self._stack_cache = LayerStack.build(self.layers)
-        return self._stack_cache
+        return self._stack_cache or []
 
     def _compact(self, plan: CompactionPlan) -> None:
         """Run one plan. A request new to this worker this step (in `arriving`,
