@@ -11,8 +11,8 @@ workers included), and a
 Prometheus collector in the API server sums them at scrape time. A snapshot is
 rewritten only when a value changed; the scheduler's, which changes every
 step, at most every `BUSY_INTERVAL` seconds while requests run and at once
-when the last one leaves (a write costs about as much as a small model's
-attention layer; the scrape sees the idle state exactly).
+when the last one leaves (per-step writes were about 2% of the demo's h2o
+profile on the 2-core EPYC; the scrape sees the idle state exactly).
 
     vllm_kvevict_info{policy,budget,recent,sink,window}   1
     vllm_kvevict_tokens_evicted_total       tokens dropped by compactions

@@ -127,6 +127,12 @@ def _column_sums(layout, key_cache: torch.Tensor, queries: torch.Tensor,
     return acc.squeeze(2)
 
 
+def zero_new_slots(scores: torch.Tensor, slot_mapping: torch.Tensor, num_tokens: int) -> None:
+    """New tokens start with zero importance, whatever their slot held before.
+    scores: (H_kv, slots); slot_mapping: the step's slots, the first num_tokens real."""
+    scores[:, slot_mapping[:num_tokens].long()] = 0.0
+
+
 def accumulate_scores(scores: torch.Tensor, layout, key_cache: torch.Tensor,
                       query: torch.Tensor, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, block_table: torch.Tensor,
@@ -146,8 +152,7 @@ def accumulate_scores(scores: torch.Tensor, layout, key_cache: torch.Tensor,
     """
     num_tokens = query.shape[0]
     dev = query.device
-    # New tokens start with zero importance, whatever the slot held before.
-    scores[:, slot_mapping[:num_tokens].long()] = 0.0
+    zero_new_slots(scores, slot_mapping, num_tokens)
     qsl = (query_start_loc if query_start_loc_cpu is None else query_start_loc_cpu).long().cpu()
     q_lens = qsl[1:] - qsl[:-1]
     seq = (seq_lens if seq_lens_cpu is None else seq_lens_cpu)[: len(q_lens)].long().cpu()

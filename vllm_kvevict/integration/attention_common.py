@@ -26,7 +26,7 @@ import torch
 from vllm.v1.attention.backend import AttentionType
 
 from vllm_kvevict.core.kernel_dispatch import triton_module, upload, use_triton
-from vllm_kvevict.core.scores import accumulate_scores
+from vllm_kvevict.core.scores import accumulate_scores, zero_new_slots
 from vllm_kvevict.integration.worker import worker_state
 
 PLACEMENT_ATTR = "kvevict_decode_placement"  # set on a step's attention metadata
@@ -138,8 +138,7 @@ def score_step(impl, layer, query, kv_cache, attn_metadata, make_layout) -> None
             state.chunk_log.record(layer.layer_name, query[:n], impl.scale)
             rows = ~placement.deferred if rows is None else rows & ~placement.deferred
         if not placement.score_now:  # every row logged, deferred or unscored
-            # New tokens start with zero importance, whatever the slot held before.
-            lc.scores.index_fill_(1, attn_metadata.slot_mapping[:n].long(), 0.0)
+            zero_new_slots(lc.scores, attn_metadata.slot_mapping, n)
             return
     key_cache, _ = lc.layout.split(kv_cache)
     host = getattr(attn_metadata, HOST_ATTR, None) or HostLens(None, None)
@@ -168,7 +167,7 @@ def fused_decode(impl, layer, query, kv_cache, attn_metadata, output, make_layou
     if not use_triton(query, lc.layout) or state.private_rows(layer.layer_name, lc, n):
         return False  # private score rows (shared first blocks): the torch path
     key_cache, value_cache = lc.layout.split(kv_cache)
-    lc.scores[:, attn_metadata.slot_mapping[:n].long()] = 0.0  # new tokens start at zero
+    zero_new_slots(lc.scores, attn_metadata.slot_mapping, n)
     rows = getattr(attn_metadata, SCORED_ATTR, None)
     weight = None if rows is None else upload(rows[:n].to(torch.float32), query.device)
     triton_module("paged_attention").paged_attention_scores(
