@@ -87,13 +87,16 @@ def run(model: str, name: str, extra: dict, prompts: list[str], args,
     return {"name": name, "config": extra, "rows": rows}
 
 
-def run_fresh(*args, **kwargs) -> dict:
-    """`run` in a process of its own. Engines built one after another in one
-    process get slower (stock and streaming, whose per-step work differs by
-    0.1 ms, measured 1.04-1.06x apart when streaming came second), which would
-    bias every policy against stock, built first."""
+def in_fresh_process(fn, *args, **kwargs):
+    """fn(*args, **kwargs) in a spawned process of its own, so no engine inherits
+    what an earlier one left in the process (allocator, threads, the plugin's
+    per-process worker state). Also used by step_breakdown.py."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(run, *args, **kwargs).result()
+        return pool.submit(fn, *args, **kwargs).result()
+
+
+def run_fresh(*args, **kwargs) -> dict:
+    return in_fresh_process(run, *args, **kwargs)
 
 
 def p50(result: dict) -> float:

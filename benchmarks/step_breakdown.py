@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -60,17 +58,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1, help="rounds over the policies")
     p.add_argument("--json")
     args = p.parse_args()
-    rows = []
-    spawn = multiprocessing.get_context("spawn")
-    for _ in range(args.repeats):
-        for policy in args.policies:
-            with ProcessPoolExecutor(1, mp_context=spawn) as pool:
-                rows.append(pool.submit(one, policy).result())
-    base = {}
-    for r in rows:
-        if r["policy"] == "none":
-            base.setdefault("wall", []).append(r["wall_s"])
-    none_wall = min(base["wall"]) if base else None
+    from prefix_cache import in_fresh_process
+
+    rows = [in_fresh_process(one, policy)
+            for _ in range(args.repeats) for policy in args.policies]
+    none_wall = min((r["wall_s"] for r in rows if r["policy"] == "none"), default=None)
     print("| policy | out tok/s | wall s | vs none | scoring s | compaction s | "
           "bookkeeping s | other s |")
     print("|---|---|---|---|---|---|---|---|")
