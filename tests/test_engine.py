@@ -215,7 +215,7 @@ def _h2o_kept_sets(llm, defer: bool):
 
 
 def test_deferred_decode_scoring_equals_scoring_every_step(h2o_engine):
-    """The CPU path scores decode queries up to 16 steps at a time (DecodeQueryLog).
+    """The CPU path scores decode queries up to 32 steps at a time (DecodeQueryLog).
     It must keep the same tokens, per layer and KV head, as scoring each step's
     queries at once, through every compaction of a batch, and generate the same text."""
     llm, _ = h2o_engine

@@ -2,8 +2,12 @@
 
 Scoring one decode query means gathering all its request's keys (in the CPU
 layout, a transposing copy); scoring 16 queries against one gather costs about
-as much as scoring one. The deferral is exact, not an approximation: a
-request's keys do not move until it is compacted, and each logged query keeps
+as much as scoring one. The default depth, 32, is the demo's block size: a
+request compacts once per block of new tokens and its log is flushed then, so
+one gather serves the whole block (the demo's h2o scoring: 0.89-0.93 s vs
+1.05-1.22 s at depth 16, 1.01 at 24; benchmarks/step_breakdown.py, one core).
+
+The deferral is exact, not an approximation: a request's keys do not move until it is compacted, and each logged query keeps
 the physical length it saw, so the later score equals the per-step one (up to
 float summation order).
 
@@ -121,7 +125,7 @@ def score_logged(stacks: list, req_ids: list[str], blocks: list[list[int]],
 
 
 class DecodeQueryLog:
-    def __init__(self, depth: int = 16) -> None:
+    def __init__(self, depth: int = 32) -> None:
         self.depth = depth
         self.row_of: dict[str, int] = {}
         self.count: dict[str, int] = {}

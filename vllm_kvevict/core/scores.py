@@ -10,7 +10,7 @@ to the score of the slot each key lives in:
 `score_queries` is the one kernel: R requests x Q queries each, against one
 gather of each request's keys. Prefill chunks call it per request; decode
 queries call it either at once (`accumulate_scores`) or, on CPU, in batches of
-up to 16 steps through `DecodeQueryLog` (the gather dominates the cost of one
+up to 32 steps through `DecodeQueryLog` (the gather dominates the cost of one
 decode query, so scoring several against one gather is far cheaper).
 
 On CUDA neither reads a GPU value on the host: the lengths that drive the
