@@ -156,9 +156,14 @@ def by_age(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     if rows is None:
         return x
     idx = rows.to(x.device)
-    if x.dim() == 4:
-        idx = idx[..., None].expand(-1, -1, -1, x.shape[3])
-    return x.gather(2, idx)
+    if x.dim() == 3:
+        return x.gather(2, idx)
+    # (L, H, n, D): one row gather (index_select of D-element rows), not an
+    # element-wise gather along n: 0.06 vs 1.35 ms for 30 x 3 x 192 x 64 bf16
+    # (one core), i.e. ~2.6 ms of every snapkv/andpro compaction (K and V).
+    l, h, n, d = x.shape
+    flat = idx + n * torch.arange(l * h, device=x.device).view(l, h, 1)
+    return x.reshape(-1, d).index_select(0, flat.flatten()).view(l, h, -1, d)
 
 
 def slot_order(prev: torch.Tensor | None, old_len: int) -> torch.Tensor | None:
