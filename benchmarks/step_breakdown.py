@@ -1,11 +1,15 @@
-"""Where the plugin's time goes in the README's main job (the demo's batch).
+"""Where the plugin's time goes in the README's main job (the demo's batch),
+or in the memory-short throughput benchmark.
 
     VLLM_CPU_OMP_THREADS_BIND=0 taskset -c 0 python benchmarks/step_breakdown.py \\
         [--policies none h2o snapkv andpro streaming] [--repeats 1] [--json out.json]
+    python benchmarks/step_breakdown.py --workload short   # ~1 min per policy, both cores
 
-Runs `vllm_kvevict.demo`'s offline batch (16 chat requests x 256 greedy
-tokens, budget 160, block 32, bf16, memory ample) once per policy, each in a
-fresh process, with `benchmarks/scaling.py`'s timers around the plugin's
+`--workload demo` (default) runs `vllm_kvevict.demo`'s offline batch (16
+chat requests x 256 greedy tokens, budget 160, block 32, bf16, memory ample);
+`--workload short` runs `benchmarks/throughput.py`'s memory-short
+configuration (64 x (256 + 512) tokens, an 8K-token pool, budget 160, recent
+64). Each policy runs once per round, in a fresh process, with `benchmarks/scaling.py`'s timers around the plugin's
 per-step functions (exclusive time, nested calls subtracted), and prints per
 policy: output tok/s, the batch's wall time, and the seconds spent in
 
@@ -33,20 +37,32 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 CATEGORIES = ("scoring", "compaction", "bookkeeping")
 
 
-def one(policy: str) -> dict:
-    """The demo's batch under `policy` with timers, in this (fresh) process."""
+def one(policy: str, workload: str = "demo") -> dict:
+    """The workload under `policy` with timers, in this (fresh) process."""
     from scaling import install_timers
 
-    from vllm_kvevict.demo import run
     from vllm_kvevict.models import ensure_smollm2
 
-    args = argparse.Namespace(budget=160, block_size=32, requests=16, max_tokens=256,
-                              pool_mib=256)
     timers = install_timers()
     start = time.perf_counter()
-    result = run(ensure_smollm2(), policy, args)
-    tokens = args.requests * args.max_tokens
-    return {"policy": policy, "tok_s": result["tok_s"], "wall_s": tokens / result["tok_s"],
+    if workload == "short":
+        import throughput
+
+        cfg = dict(model=ensure_smollm2(), block_size=32, max_model_len=1024,
+                   dtype="bfloat16", recent=64, prompt_len=256, warmup=True,
+                   no_prefix_caching=False, table="constrained", policy=policy,
+                   budget=None if policy == "none" else 160, num_requests=64,
+                   output_len=512, pool_tokens=8192, repeats=1)
+        result = throughput.run_config(cfg)
+        tok_s, wall_s = result["out_tok_s"], result["wall_s"]
+    else:
+        from vllm_kvevict.demo import run
+
+        args = argparse.Namespace(budget=160, block_size=32, requests=16, max_tokens=256,
+                                  pool_mib=256)
+        tok_s = run(ensure_smollm2(), policy, args)["tok_s"]
+        wall_s = args.requests * args.max_tokens / tok_s
+    return {"policy": policy, "workload": workload, "tok_s": tok_s, "wall_s": wall_s,
             "seconds": dict(timers.seconds), "calls": dict(timers.calls),
             "process_s": time.perf_counter() - start}
 
@@ -56,11 +72,13 @@ def main() -> None:
     p.add_argument("--policies", nargs="+", default=["none", "h2o", "snapkv", "andpro",
                                                      "streaming"])
     p.add_argument("--repeats", type=int, default=1, help="rounds over the policies")
+    p.add_argument("--workload", choices=("demo", "short"), default="demo",
+                   help="the demo's batch (memory ample) or throughput.py's memory-short run")
     p.add_argument("--json")
     args = p.parse_args()
     from prefix_cache import in_fresh_process
 
-    rows = [in_fresh_process(one, policy)
+    rows = [in_fresh_process(one, policy, args.workload)
             for _ in range(args.repeats) for policy in args.policies]
     none_wall = min((r["wall_s"] for r in rows if r["policy"] == "none"), default=None)
     print("| policy | out tok/s | wall s | vs none | scoring s | compaction s | "
