@@ -7,9 +7,9 @@ request compacts once per block of new tokens and its log is flushed then, so
 one gather serves the whole block (the demo's h2o scoring: 0.89-0.93 s vs
 1.05-1.22 s at depth 16, 1.01 at 24; benchmarks/step_breakdown.py, one core).
 
-The deferral is exact, not an approximation: a request's keys do not move until it is compacted, and each logged query keeps
-the physical length it saw, so the later score equals the per-step one (up to
-float summation order).
+The deferral is exact, not an approximation: a request's keys do not move
+until it is compacted, and each logged query keeps the physical length it saw,
+so the later score equals the per-step one (up to float summation order).
 
 The log is therefore flushed
   - for a request, right before it is compacted (its keys are about to move),
