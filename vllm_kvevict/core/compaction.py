@@ -142,12 +142,15 @@ def fill_holes(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
     if scores is not None:
         scores[r_h, dst_blk * bs + dst_off] = moved_scores
     # Where each kept token is now: its own slot, unless it lay past new_len and
-    # moved into a hole (a map over the tail only: O(evicted) memory too).
+    # moved into a hole. Only the movers' entries are looked up (in a map over
+    # the tail only): a lookup over every kept token took half of this call.
     tail = torch.zeros(b * h, max(1, old_len - new_len), dtype=torch.int64, device=dev)
     tail[row, src - new_len] = dst
     keep = keep.reshape(b * h, new_len)
-    moved_to = tail.gather(1, (keep - new_len).clamp(min=0))
-    return torch.where(keep < new_len, keep, moved_to).view(b, h, new_len)
+    at_r, at_i = (keep >= new_len).nonzero(as_tuple=True)
+    now = keep.clone()
+    now[at_r, at_i] = tail[at_r, keep[at_r, at_i] - new_len]
+    return now.view(b, h, new_len)
 
 
 def by_age(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
