@@ -1,6 +1,6 @@
 """H2O/SnapKV/AnDPro selection (`policies.recent_plus_top_scored`) against the
 top-k-and-sort it replaced, on a stacked compaction's score rows (layers x KV
-heads), one thread, mean of 5 calls after one warm-up:
+heads), one thread, median of 30 calls after one warm-up:
 
     taskset -c 0 .venv/bin/python scripts/measure/select_timing.py
 
@@ -27,12 +27,14 @@ def topk_and_sort(scores, keep, recent):
     return torch.cat([heavy, tail], dim=1).sort(dim=1).values
 
 
-def mean_ms(fn, *args) -> float:
+def median_ms(fn, *args) -> float:
     fn(*args)
-    t0 = time.perf_counter()
-    for _ in range(5):
+    times = []
+    for _ in range(30):
+        t0 = time.perf_counter()
         fn(*args)
-    return (time.perf_counter() - t0) / 5 * 1e3
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 if __name__ == "__main__":
@@ -43,5 +45,5 @@ if __name__ == "__main__":
         scores = torch.rand(rows, n)
         same = torch.equal(topk_and_sort(scores, keep, recent),
                            recent_plus_top_scored(scores, keep, recent))
-        print(f"| {rows} | {n} | {keep} | {recent} | {mean_ms(topk_and_sort, scores, keep, recent):.2f}"
-              f" | {mean_ms(recent_plus_top_scored, scores, keep, recent):.2f} | {same} |")
+        print(f"| {rows} | {n} | {keep} | {recent} | {median_ms(topk_and_sort, scores, keep, recent):.2f}"
+              f" | {median_ms(recent_plus_top_scored, scores, keep, recent):.2f} | {same} |")
