@@ -16,6 +16,9 @@ beside them a plain copy of the same number of bytes on the same core
 C++ ops (the layout is discovered from the stock writer). One core:
 
     VLLM_CPU_OMP_THREADS_BIND=0 taskset -c 0 .venv/bin/python benchmarks/compaction_cpu.py
+
+`--profile` prints torch.profiler's aten ops of `--reps` fill_holes calls
+instead (by self CPU time; docs/results.md quotes it).
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ def main(argv=None):
     ap.add_argument("--old", type=int, default=4128)
     ap.add_argument("--new", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="torch.profiler over fill_holes")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     nb = args.old // BS + 8
@@ -79,6 +83,15 @@ def main(argv=None):
     def holes():
         fill_holes(layout, kc, vc, src_rows, src_rows[:, :n_dst], keep, args.old, all_scores)
 
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        holes()  # warm-up
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.reps):
+                holes()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+        return
     rows = []
     for name, fn, moved in (("ordered", ordered, keep.numel()),
                             ("fill_holes", holes, int((keep >= args.new).sum()))):
