@@ -464,6 +464,17 @@ def _cells(s: dict, p: dict) -> list:
         f"{s['resident']:.0f} / {p['resident']:.0f}"]
 
 
+def prefill_table(results: list[dict]) -> str:
+    """Stock's and the plugin's prefill of each point (the whole batch in one step)."""
+    lines = ["| batch | ctx | policy | stock prefill s | plugin prefill s | plugin / stock |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for s, p in sorted(rows(results), key=lambda sp: (sp[1]["batch"], sp[1]["ctx"])):
+        if s.get("ok") and p.get("ok"):
+            lines.append(f"| {p['batch']} | {p['ctx']} | {p['policy']} | {s['prefill_s']:.1f} | "
+                         f"{p['prefill_s']:.1f} | {p['prefill_s'] / s['prefill_s']:.2f}x |")
+    return "\n".join(lines)
+
+
 def plot(results: list[dict], path: str) -> None:
     import matplotlib
 
@@ -522,6 +533,7 @@ def report(results, skipped, args, wall: float, cmd: str) -> str:
                "plugin - stock means; breakdown = plugin time per decode step by timers "
                "(see the docstring of benchmarks/scaling.py); resident = mean tokens "
                "attended per request.")
+    out += ["", "Prefill in the same run:", "", prefill_table(results)]
     return "\n".join(out)
 
 
@@ -593,7 +605,9 @@ def main(argv=None) -> int:
     for ctx in sorted({c for _, c in points}):
         results += run_context(ctx, [b for b, c in points if c == ctx], policies, args)
     wall = time.perf_counter() - t0
-    cmd = " ".join([os.path.relpath(sys.executable)] + sys.argv)
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")  # taskset shows as the affinity
+    cmd = " ".join(([f"VLLM_CPU_OMP_THREADS_BIND={bind}"] if bind else [])
+                   + [os.path.relpath(sys.executable)] + sys.argv)
     text = report(results, skipped, args, wall, cmd)
     print(text, flush=True)
     if args.md:
