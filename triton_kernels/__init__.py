@@ -1,5 +1,7 @@
-"""Triton kernels for the plugin's CUDA path, shipped as `vllm_kvevict.triton_kernels`
-(vLLM probes for a top-level `triton_kernels` module, so this folder never is one).
+"""Triton kernels for the plugin's CUDA path, shipped as `vllm_kvevict.triton_kernels`.
+vLLM probes for OpenAI's top-level `triton_kernels` package (MoE kernels); a
+command run from the repository root would find this folder under that name,
+so `register()` keeps the name for the real package (`free_top_level_name`).
 
   module             kernel                                     the CPU path it mirrors
   paged_attention    decode attention over the NHD paged cache  core/scores.py (H2O)
@@ -14,3 +16,31 @@ Kernels (`jit/`) are apart from their launchers (this folder: shape, dtype and
 stride checks); `reference.py` holds the plain-torch references. Importing this
 package imports no Triton; `vllm_kvevict.core.kernel_dispatch` decides when to use them.
 """
+
+
+def free_top_level_name() -> None:
+    """If `import triton_kernels` would load this folder (the repository root on
+    sys.path), make it load OpenAI's package from the rest of sys.path instead,
+    or fail as if none were installed. Before, vLLM took this folder for
+    OpenAI's package and logged "Failed to import Triton kernels" at every start
+    from the root (on CUDA it would have lost its MoE kernels there)."""
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    name = "triton_kernels"
+    if name in sys.modules:
+        return
+    spec = importlib.machinery.PathFinder.find_spec(name)
+    if spec is None or spec.origin is None or os.path.abspath(spec.origin) != os.path.abspath(__file__):
+        return  # the name is not ours: leave it alone
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
+    real = importlib.machinery.PathFinder.find_spec(name, rest)
+    if real is None or real.loader is None:
+        sys.modules[name] = None  # find_spec() -> None and import fails: "not installed"
+        return
+    module = importlib.util.module_from_spec(real)
+    sys.modules[name] = module
+    real.loader.exec_module(module)

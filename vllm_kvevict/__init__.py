@@ -36,6 +36,9 @@ def register() -> None:
     if _registered:
         return
     _check_vllm_version()
+    from vllm_kvevict.triton_kernels import free_top_level_name
+
+    free_top_level_name()  # before vLLM probes for OpenAI's `triton_kernels`
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
