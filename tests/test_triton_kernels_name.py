@@ -48,3 +48,15 @@ def test_installed_package_is_the_one_imported(tmp_path):
         "import triton_kernels, vllm_kvevict.triton_kernels as ours\n"
         "print(triton_kernels.WHO, ours.__name__)\n") == [
         "installed", "vllm_kvevict.triton_kernels"]
+
+
+def test_broken_installed_package_reads_as_absent(tmp_path):
+    """A package that fails to import must not stop the plugin from loading."""
+    real = tmp_path / "triton_kernels"
+    real.mkdir()
+    (real / "__init__.py").write_text("raise RuntimeError('broken install')\n")
+    assert _python(
+        f"import sys, importlib.util; sys.path.append({str(tmp_path)!r})\n"
+        "from vllm_kvevict.triton_kernels import free_top_level_name\n"
+        "free_top_level_name()\n"
+        "print(importlib.util.find_spec('triton_kernels'))\n") == ["None"]

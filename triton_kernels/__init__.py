@@ -19,13 +19,15 @@ package imports no Triton; `vllm_kvevict.core.kernel_dispatch` decides when to u
 
 
 def free_top_level_name() -> None:
-    """If `import triton_kernels` would load this folder (the repository root on
-    sys.path), make it load OpenAI's package from the rest of sys.path instead,
-    or fail as if none were installed. Before, vLLM took this folder for
-    OpenAI's package and logged "Failed to import Triton kernels" at every start
-    from the root (on CUDA it would have lost its MoE kernels there)."""
+    """If `import triton_kernels` would load a clone's kernels folder (its root
+    on sys.path, e.g. `python -m vllm_kvevict.demo` run there), make it load
+    OpenAI's package from the rest of sys.path instead, or fail as if none were
+    installed. Before, vLLM took the folder for OpenAI's package and logged
+    "Failed to import Triton kernels" in every process started from the root
+    (on CUDA it would have lost its MoE kernels there)."""
     import importlib.machinery
     import importlib.util
+    import logging
     import os
     import sys
 
@@ -33,9 +35,11 @@ def free_top_level_name() -> None:
     if name in sys.modules:
         return
     spec = importlib.machinery.PathFinder.find_spec(name)
-    if spec is None or spec.origin is None or os.path.abspath(spec.origin) != os.path.abspath(__file__):
-        return  # the name is not ours: leave it alone
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if spec is None or spec.origin is None:
+        return
+    root = os.path.dirname(os.path.dirname(os.path.abspath(spec.origin)))
+    if not os.path.isfile(os.path.join(root, "vllm_kvevict", "__init__.py")):
+        return  # not a clone of this repository: the name is someone else's
     rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
     real = importlib.machinery.PathFinder.find_spec(name, rest)
     if real is None or real.loader is None:
@@ -43,4 +47,9 @@ def free_top_level_name() -> None:
         return
     module = importlib.util.module_from_spec(real)
     sys.modules[name] = module
-    real.loader.exec_module(module)
+    try:
+        real.loader.exec_module(module)
+    except Exception:  # a broken install: vLLM's own probe would call it absent too
+        sys.modules[name] = None
+        logging.getLogger(__name__).warning("%s at %s failed to import", name, real.origin,
+                                            exc_info=True)
