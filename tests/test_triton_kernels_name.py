@@ -22,6 +22,15 @@ def _python(code: str) -> list[str]:
     return out.stdout.split()
 
 
+def _installed(tmp_path: Path, body: str) -> str:
+    """A stand-in for an installed `triton_kernels` whose __init__ is `body`;
+    returns the code line that puts it on sys.path (after the root, as
+    site-packages is)."""
+    (tmp_path / "triton_kernels").mkdir()
+    (tmp_path / "triton_kernels" / "__init__.py").write_text(body)
+    return f"import sys; sys.path.append({str(tmp_path)!r})\n"
+
+
 def test_no_package_installed_reads_as_absent():
     assert _python(
         "import importlib.util, os\n"
@@ -38,12 +47,9 @@ def test_no_package_installed_reads_as_absent():
 
 
 def test_installed_package_is_the_one_imported(tmp_path):
-    real = tmp_path / "triton_kernels"
-    real.mkdir()
-    (real / "__init__.py").write_text("WHO = 'installed'\n")
     assert _python(
-        f"import sys; sys.path.append({str(tmp_path)!r})\n"
-        "from vllm_kvevict.triton_kernels import free_top_level_name\n"
+        _installed(tmp_path, "WHO = 'installed'\n")
+        + "from vllm_kvevict.triton_kernels import free_top_level_name\n"
         "free_top_level_name()\n"
         "import triton_kernels, vllm_kvevict.triton_kernels as ours\n"
         "print(triton_kernels.WHO, ours.__name__)\n") == [
@@ -52,11 +58,9 @@ def test_installed_package_is_the_one_imported(tmp_path):
 
 def test_broken_installed_package_reads_as_absent(tmp_path):
     """A package that fails to import must not stop the plugin from loading."""
-    real = tmp_path / "triton_kernels"
-    real.mkdir()
-    (real / "__init__.py").write_text("raise RuntimeError('broken install')\n")
     assert _python(
-        f"import sys, importlib.util; sys.path.append({str(tmp_path)!r})\n"
+        _installed(tmp_path, "raise RuntimeError('broken install')\n")
+        + "import importlib.util\n"
         "from vllm_kvevict.triton_kernels import free_top_level_name\n"
         "free_top_level_name()\n"
         "print(importlib.util.find_spec('triton_kernels'))\n") == ["None"]
