@@ -15,10 +15,10 @@ rounding the logits to bf16). --profile adds torch.profiler's table of 5 flushes
 """
 
 import sys
-import time
 
 import torch
-import vllm._custom_ops as ops  # noqa: E402  (a missing vLLM fails)
+import vllm._custom_ops as ops
+from median_timing import median_ms
 
 from vllm_kvevict.core import scores as scoring
 from vllm_kvevict.core.cpu_layout import split_kv_cache
@@ -46,21 +46,11 @@ def flush_case():
     return out, layout, kc, queries, visible, rows, 0.125
 
 
-def median_ms(fn, reps: int = 10) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     torch.set_num_threads(1)
     args = flush_case()
     print(f"flush ({LAYERS} layers x {REQS} requests x {QUERIES} queries): "
-          f"{median_ms(lambda: scoring.score_queries(*args)):.1f} ms")
+          f"{median_ms(scoring.score_queries, *args, reps=10):.1f} ms")
 
     keys = 192
     rows = max(1, scoring._GROUP_ELEMENTS // (KV_HEADS * GROUP * QUERIES * keys))

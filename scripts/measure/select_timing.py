@@ -9,9 +9,8 @@ heads), one thread, median of 30 calls after one warm-up:
 4K-token request cut to a fifth (many dropped: the top-k branch).
 """
 
-import time
-
 import torch
+from median_timing import median_ms
 
 from vllm_kvevict.core.policies import recent_plus_top_scored
 
@@ -25,16 +24,6 @@ def topk_and_sort(scores, keep, recent):
     tail = torch.arange(n - recent, n).expand(num_heads, -1)
     heavy = torch.topk(scores[:, : n - recent], keep - recent, dim=1).indices
     return torch.cat([heavy, tail], dim=1).sort(dim=1).values
-
-
-def median_ms(fn, *args) -> float:
-    fn(*args)
-    times = []
-    for _ in range(30):
-        t0 = time.perf_counter()
-        fn(*args)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 if __name__ == "__main__":
