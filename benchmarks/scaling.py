@@ -432,9 +432,10 @@ def _log(msg: str) -> None:
 
 
 def rows(results: list[dict]) -> list[tuple[dict, dict]]:
-    """(stock, plugin) pairs of the same point, in run order."""
+    """(stock, plugin) pairs of the same point, by batch then ctx (run order within)."""
     stock = {(r["batch"], r["ctx"]): r for r in results if r["policy"] == "none"}
-    return [(stock.get((r["batch"], r["ctx"]), {}), r) for r in results if r["policy"] != "none"]
+    pairs = [(stock.get((r["batch"], r["ctx"]), {}), r) for r in results if r["policy"] != "none"]
+    return sorted(pairs, key=lambda sp: (sp[1]["batch"], sp[1]["ctx"]))
 
 
 def table(results: list[dict]) -> str:
@@ -443,7 +444,7 @@ def table(results: list[dict]) -> str:
             "scoring ms/step", "compaction ms/step", "bookkeeping ms/step", "other ms/step",
             "resident tok/req stock / plugin"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---:|" * len(cols)]
-    for s, p in sorted(rows(results), key=lambda sp: (sp[1]["batch"], sp[1]["ctx"])):
+    for s, p in rows(results):
         lines.append("| " + " | ".join(str(c) for c in _cells(s, p)) + " |")
     return "\n".join(lines)
 
@@ -468,7 +469,7 @@ def prefill_table(results: list[dict]) -> str:
     """Stock's and the plugin's prefill of each point (the whole batch in one step)."""
     lines = ["| batch | ctx | policy | stock prefill s | plugin prefill s | plugin / stock |",
              "|---:|---:|---:|---:|---:|---:|"]
-    for s, p in sorted(rows(results), key=lambda sp: (sp[1]["batch"], sp[1]["ctx"])):
+    for s, p in rows(results):
         if s.get("ok") and p.get("ok"):
             lines.append(f"| {p['batch']} | {p['ctx']} | {p['policy']} | {s['prefill_s']:.1f} | "
                          f"{p['prefill_s']:.1f} | {p['prefill_s'] / s['prefill_s']:.2f}x |")
