@@ -54,6 +54,29 @@ def test_score_queries_matches_dense_loop(h, g, dtype):
     assert got.sum().item() == pytest.approx(h * g * 9, rel=1e-5)  # 9 real queries
 
 
+def test_long_causal_chunks_are_scored_in_tiles_like_the_dense_loop():
+    """Chunks longer than one query tile (scores._MAX_TILE_QUERIES): each tile
+    reaches only the keys its queries see, the masks of consecutive tiles
+    meet, and a shorter chunk's padding adds nothing. Two requests, bf16."""
+    import vllm_kvevict.core.scores as scoring
+
+    assert 150 > 2 * scoring._MAX_TILE_QUERIES  # three tiles, the last one ragged
+    gen = torch.Generator().manual_seed(7)
+    h, g = 3, 3
+    layout, kc, keys = _paged(h, gen, torch.bfloat16)
+    perm = torch.randperm(NB, generator=gen)
+    rows = torch.stack([perm[:12], perm[12:]])  # (R=2, 12 blocks): 192 tokens each
+    visible = torch.zeros(2, 150, dtype=torch.int64)
+    visible[0] = torch.arange(31, 181)  # 150 queries after 30 resident tokens
+    visible[1, :130] = torch.arange(1, 131)  # a 130-token first chunk, padded
+    queries = torch.randn(2, 150, h * g, D, generator=gen).bfloat16()
+    got, want = torch.zeros(h, NB * BS), torch.zeros(h, NB * BS)
+    score_queries(got, layout, kc, queries, visible, rows, 0.125)
+    _dense(want, keys, queries, visible, rows, 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got.sum().item() == pytest.approx(h * g * 280, rel=1e-5)
+
+
 def test_accumulate_scores_prefill_is_causal_and_resets_new_slots():
     """A 2-request step: a 5-token prefill chunk after 40 resident tokens, and a
     decode token. New slots start from zero; the chunk is causal."""

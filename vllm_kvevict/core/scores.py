@@ -36,6 +36,13 @@ _TILE_ELEMENTS = 1 << 21
 # requests ran fastest there (24.6 vs 28.7 ms per flush at 8 MB groups per
 # layer; the demo's workload, this 2-core EPYC).
 _GROUP_ELEMENTS = 1 << 19
+# At most 64 queries per tile. A causal chunk's tile computes every logit up to
+# its last query's horizon and masks the triangle beyond each earlier query's:
+# one tile for a whole 256-token chunk computes the full square. 64-query tiles
+# compute about 5/8 of it (one thread, 30 layers, bf16 cache: a 256-token chunk
+# 48.2 -> 33.3 ms, a 1,024-token one 448 -> 332 ms; 32-query tiles no better;
+# scripts/measure/chunk_timing.py). Decode flushes (<= 32 queries) are unchanged.
+_MAX_TILE_QUERIES = 64
 
 
 def score_queries(scores: torch.Tensor, layout, key_cache: torch.Tensor,
@@ -104,7 +111,7 @@ def _column_sums(layout, key_cache: torch.Tensor, queries: torch.Tensor,
     while t0 < nq:
         # As many queries as fit a tile at the widest horizon they reach.
         hi = int(seen[:, t0:].max())
-        t = max(1, min(nq - t0, _TILE_ELEMENTS // max(1, r * hq * hi)))
+        t = max(1, min(nq - t0, _MAX_TILE_QUERIES, _TILE_ELEMENTS // max(1, r * hq * hi)))
         horizon = seen[:, t0:t0 + t]
         hi, lo = int(horizon.max()), int(horizon.min())
         q = queries[:, t0:t0 + t].to(torch.float32) * scale
@@ -129,8 +136,9 @@ def _column_sums(layout, key_cache: torch.Tensor, queries: torch.Tensor,
 
 def zero_new_slots(scores: torch.Tensor, slot_mapping: torch.Tensor, num_tokens: int) -> None:
     """New tokens start with zero importance, whatever their slot held before.
-    scores: (H_kv, slots); slot_mapping: the step's slots, the first num_tokens real."""
-    scores[:, slot_mapping[:num_tokens].long()] = 0.0
+    scores: (H_kv, slots); slot_mapping: the step's slots, the first num_tokens real.
+    (index_fill_: half the cost of an indexed assignment, once per layer and step.)"""
+    scores.index_fill_(1, slot_mapping[:num_tokens].long(), 0.0)
 
 
 def accumulate_scores(scores: torch.Tensor, layout, key_cache: torch.Tensor,
