@@ -11,25 +11,17 @@ far as `_TILE_ELEMENTS` allows (the code before the cap).
 """
 
 import torch
-import vllm._custom_ops as ops
+from flush_timing import BS, D, GROUP, KV_HEADS, LAYERS, filled_cache
 from median_timing import median_ms
 
 from vllm_kvevict.core import scores as scoring
-from vllm_kvevict.core.cpu_layout import split_kv_cache
-from vllm_kvevict.integration.cpu_backend import discover_layout
-
-LAYERS, KV_HEADS, GROUP, D, BS = 30, 3, 3, 64, 32
 
 
 def chunk_case(n: int):
     """(score_queries arguments) for one n-token first chunk in every layer."""
     gen = torch.Generator().manual_seed(0)
     per_layer = -(-n // BS)
-    kv = torch.zeros(LAYERS * per_layer, KV_HEADS, BS, 2 * D, dtype=torch.bfloat16)
-    kc, vc = split_kv_cache(kv)
-    keys = torch.randn(LAYERS * per_layer * BS, KV_HEADS, D, generator=gen).bfloat16()
-    ops.cpu_attn_reshape_and_cache(keys, keys, kc, vc, torch.arange(keys.shape[0]), "vec")
-    layout = discover_layout("vec", torch.bfloat16, BS, D, KV_HEADS)
+    layout, kc = filled_cache(per_layer, gen)
     rows = (torch.arange(per_layer)[None] + (torch.arange(LAYERS) * per_layer)[:, None])
     visible = torch.arange(1, n + 1)[None].repeat(LAYERS, 1)
     queries = (2 * torch.randn(LAYERS, n, KV_HEADS * GROUP, D, generator=gen)).bfloat16()

@@ -27,15 +27,21 @@ from vllm_kvevict.integration.cpu_backend import discover_layout
 LAYERS, REQS, QUERIES, KV_HEADS, GROUP, D, BS = 30, 16, 32, 3, 3, 64, 32
 
 
-def flush_case():
-    """(score_queries arguments) for one flush of the demo's shape."""
-    gen = torch.Generator().manual_seed(0)
-    per_layer = 7 * REQS  # blocks per layer; each request holds 6 of them
+def filled_cache(per_layer: int, gen: torch.Generator):
+    """(layout, key cache) of a bf16 cache in vLLM's CPU `vec` layout, LAYERS x
+    per_layer blocks, every slot holding a random key (written by the stock writer)."""
     kv = torch.zeros(LAYERS * per_layer, KV_HEADS, BS, 2 * D, dtype=torch.bfloat16)
     kc, vc = split_kv_cache(kv)
     keys = torch.randn(LAYERS * per_layer * BS, KV_HEADS, D, generator=gen).bfloat16()
     ops.cpu_attn_reshape_and_cache(keys, keys, kc, vc, torch.arange(keys.shape[0]), "vec")
-    layout = discover_layout("vec", torch.bfloat16, BS, D, KV_HEADS)
+    return discover_layout("vec", torch.bfloat16, BS, D, KV_HEADS), kc
+
+
+def flush_case():
+    """(score_queries arguments) for one flush of the demo's shape."""
+    gen = torch.Generator().manual_seed(0)
+    per_layer = 7 * REQS  # blocks per layer; each request holds 6 of them
+    layout, kc = filled_cache(per_layer, gen)
     start = torch.randint(128, 160, (REQS,), generator=gen)
     visible = (start[:, None] + torch.arange(1, QUERIES + 1)[None]).repeat(LAYERS, 1)
     blocks = torch.randperm(per_layer, generator=gen)[: REQS * 6].view(REQS, 6)

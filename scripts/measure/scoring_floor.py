@@ -70,28 +70,32 @@ def main() -> None:
         runs = json.load(f)["results"]
     stock = {(r["batch"], r["ctx"]): r for r in runs if r["policy"] == "none" and r["ok"]}
     plugin = {(r["batch"], r["ctx"]): r for r in runs if r["policy"] == "h2o" and r["ok"]}
-    print("Decode (one query per request per step, against its resident keys):\n")
-    print("| batch | ctx | stock ms/step | allowance ms (10% + saved) | plugin scoring ms | "
-          "floor ms, float32 | floor ms, bf16 product |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    decode, prefill = [], []
     for key in sorted(plugin):
         s, p = stock[key], plugin[key]
         logits = key[0] * LAYERS * Q_HEADS * p["resident"]
         saved = max(0.0, sum(p["breakdown_ms"].values()) - (p["mean_ms"] - s["mean_ms"]))
-        print(f"| {key[0]} | {key[1]} | {s['mean_ms']:.1f} | {s['mean_ms'] / 10 + saved:.1f} | "
-              f"{p['breakdown_ms']['scoring']:.1f} | {1e3 * floor_s(logits, mac32):.1f} | "
-              f"{1e3 * floor_s(logits, mac16):.1f} |")
-    print("\nPrefill (every prompt token's query against the keys before it):\n")
-    print("| batch | ctx | stock s | allowance s (0.3x) | plugin extra s | "
-          "floor s, float32 | floor s, bf16 product |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for key in sorted(plugin):
-        s, p = stock[key], plugin[key]
+        decode.append((*key, s["mean_ms"], s["mean_ms"] / 10 + saved, p["breakdown_ms"]["scoring"],
+                       1e3 * floor_s(logits, mac32), 1e3 * floor_s(logits, mac16)))
         logits = key[0] * LAYERS * Q_HEADS * key[1] * (key[1] + 1) / 2
-        print(f"| {key[0]} | {key[1]} | {s['prefill_s']:.1f} | {0.3 * s['prefill_s']:.1f} | "
-              f"{p['prefill_s'] - s['prefill_s']:.1f} | {floor_s(logits, mac32):.1f} | "
-              f"{floor_s(logits, mac16):.1f} |")
+        prefill.append((*key, s["prefill_s"], 0.3 * s["prefill_s"], p["prefill_s"] - s["prefill_s"],
+                        floor_s(logits, mac32), floor_s(logits, mac16)))
+    table("Decode (one query per request per step, against its resident keys):",
+          ("stock ms/step", "allowance ms (10% + saved)", "plugin scoring ms",
+           "floor ms, float32", "floor ms, bf16 product"), decode)
+    print()
+    table("Prefill (every prompt token's query against the keys before it):",
+          ("stock s", "allowance s (0.3x)", "plugin extra s",
+           "floor s, float32", "floor s, bf16 product"), prefill)
 
+
+def table(title: str, columns: tuple[str, ...], rows: list[tuple]) -> None:
+    """A markdown table of (batch, ctx, then one float per column) rows."""
+    print(f"{title}\n")
+    print("| batch | ctx | " + " | ".join(columns) + " |")
+    print("|---:|---:|" + "---:|" * len(columns))
+    for batch, ctx, *values in rows:
+        print(f"| {batch} | {ctx} | " + " | ".join(f"{v:.1f}" for v in values) + " |")
 
 if __name__ == "__main__":
     main()
