@@ -63,10 +63,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import json
 import os
 import time
+
+from vllm_kvevict.eval.inprocess import close
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -173,9 +174,7 @@ def run(model: str, name: str, extra: dict, reqs, args, timers) -> dict:
                    pool_evictions=p.evictions,
                    **{k: 1000 * timers.seconds.get(c, 0.0) / gen for c, k in STAGES.items()},
                    timer_calls=dict(timers.calls))
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+    close(llm)
     return row
 
 

@@ -27,6 +27,7 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() and not os.path.exists
 import pytest
 import torch
 
+from vllm_kvevict.eval.inprocess import close
 from vllm_kvevict.eval.server import kv_pool_bytes, native_dtype
 
 # The suite runs on pytest-xdist workers (pyproject: `-n auto`, at most one
@@ -115,13 +116,6 @@ def make_llm(model_path, **kwargs):
     kwargs.setdefault("dtype", DTYPE)
     kwargs.setdefault("kv_cache_memory_bytes", kv_bytes(kwargs["dtype"]))
     return LLM(model_path, enforce_eager=True, seed=0, **kwargs)
-
-
-def close(llm):
-    """Shut the engine down now. Leaving it to the garbage collector would tear
-    down vLLM's process-global parallel groups under the next engine."""
-    llm.llm_engine.engine_core.shutdown()
-    gc.collect()
 
 
 class Engines:
@@ -228,6 +222,14 @@ def pytest_collection_modifyitems(session, config, items):
     rank = {f: i for files in GROUPS.values() for i, f in enumerate(files)}
     items.sort(key=lambda it: (-GROUP_SECONDS.get(group_of(it.nodeid), 0),
                                group_of(it.nodeid), rank.get(it.path.name, 0)))
+
+
+def pytest_collection_finish(session):
+    """Freeze what collection imported (vLLM, torch, the test modules), so that
+    the first engine's start collects only what is new, as every later one
+    does after inprocess.close (which says why and what it saves)."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_xdist_auto_num_workers(config):

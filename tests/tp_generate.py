@@ -125,12 +125,14 @@ def make_llm(model: str, kv_bytes: int, **kwargs):
 
 
 def close(llm) -> None:
-    """Shut the engine down now (as conftest.close): left to the garbage
-    collector, it would tear vLLM's parallel groups down under the next engine."""
+    """vllm_kvevict.eval.inprocess.close, written out: a stock process must not
+    import vllm_kvevict. Shut down now, then freeze the heap for the next
+    engine's start (that function says why)."""
     import gc
 
     llm.llm_engine.engine_core.shutdown()
     gc.collect()
+    gc.freeze()
 
 
 def reset_probe(probe) -> None:

@@ -11,9 +11,10 @@ and as PML prompts importing them, with the time to first token of each.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import time
+
+from vllm_kvevict.eval.inprocess import close
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the pool in-process
 
@@ -47,8 +48,7 @@ def run(model: str, policy: str, args) -> dict:
                   kept=seen - evicted, seen=seen,
                   tok_s=sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed,
                   text=outputs[0].outputs[0].text)
-    llm.llm_engine.engine_core.shutdown()  # now, not whenever gc runs
-    gc.collect()
+    close(llm)
     return result
 
 
@@ -82,8 +82,7 @@ def modules(model: str, args) -> dict:
             out = llm.generate([prompt], params, use_tqdm=False)[0]
             rows.append((kind, time.perf_counter() - start, len(out.prompt_token_ids),
                          out.num_cached_tokens))
-    llm.llm_engine.engine_core.shutdown()
-    gc.collect()
+    close(llm)
     return {kind: [r[1:] for r in rows if r[0] == kind] for kind in ("plain", "modules")}
 
 

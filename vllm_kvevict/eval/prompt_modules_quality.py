@@ -64,7 +64,6 @@ Method
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
@@ -76,6 +75,7 @@ from xml.sax.saxutils import escape
 
 from vllm_kvevict.eval import instances as gen
 from vllm_kvevict.eval import tasks as T
+from vllm_kvevict.eval.inprocess import close
 
 BLOCK = 32
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64  # SmolLM2-135M: layers x (K, V) x KV heads x head dim
@@ -241,11 +241,6 @@ def build_llm(model_dir: str, dtype: str, max_model_len: int, pool_mib: int, chu
 
 def kv_pool_tokens(pool_mib: int, dtype: str) -> int:
     return (pool_mib << 20) // (KV_BYTES_PER_TOKEN * (2 if dtype == "bfloat16" else 4))
-
-
-def close(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    gc.collect()
 
 
 def _params(inst):

@@ -20,7 +20,6 @@ Result rows (one per model x task x policy x budget)::
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from vllm_kvevict.eval import tasks as T
+from vllm_kvevict.eval.inprocess import close
 
 FRAMEWORK = "vllm_kvevict"
 
@@ -72,12 +72,6 @@ def build_llm(spec: EngineSpec, policy: str, budget: float):
                # haystack prefixes under some policies only: off for all.
                enable_prefix_caching=False,
                additional_config=extra)
-
-
-def close(llm) -> None:
-    """Shut the engine down now (left to gc, it tears down vLLM's globals under the next)."""
-    llm.llm_engine.engine_core.shutdown()
-    gc.collect()
 
 
 def sampling_params(instance: dict, evicting: bool):
