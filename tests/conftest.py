@@ -191,16 +191,19 @@ GROUPS = {
 }
 GROUP_FIXTURES = {"calibrated": "calibrated", "_h2o_server": "h2o_server"}
 _GROUP_OF = {f: g for g, files in GROUPS.items() for f in files}
-# Seconds per group, measured (default tier in one process, 2 cores,
-# 2026-11-24: `pytest -q -n0 --durations=0`): the heaviest start first, so the
-# workers end together. A group not listed counts as 0 and fills in at the end.
-GROUP_SECONDS = {"h2o_server": 307, "tensor_parallel": 232, "calibrated": 185,
-                 "test_engine.py": 143, "test_eval_smoke.py": 90,
-                 "test_request_budget.py": 55, "test_infinigen_dense.py": 51,
-                 "test_window_reference.py": 50, "test_h2o_reference.py": 47,
-                 "test_prompt_modules_security.py": 40, "test_prompt_modules_engines.py": 35,
-                 "test_prompt_modules_server.py": 31, "test_prompt_modules_server_limits.py": 30,
-                 "test_prompt_modules_quality.py": 28}
+# Seconds per group, measured (default tier, two xdist workers, 2 cores,
+# 2026-11-26: `pytest -q --durations=0`, summed per group): the heaviest start
+# first, so the workers end together. A group not listed counts as 0 and fills
+# in at the end.
+GROUP_SECONDS = {"h2o_server": 236, "tensor_parallel": 216, "calibrated": 140,
+                 "test_engine.py": 100, "test_eval_smoke.py": 56,
+                 "test_window_reference.py": 51, "test_infinigen_dense.py": 36,
+                 "test_h2o_reference.py": 36, "test_prompt_modules_security.py": 33,
+                 "test_prompt_modules_server.py": 26, "test_prompt_modules_engines.py": 25,
+                 "test_request_budget.py": 25, "test_prompt_modules_quality.py": 25,
+                 "test_prompt_modules_server_limits.py": 23, "test_triton_aot.py": 10,
+                 "test_prompt_modules.py": 10, "test_triton_kernels.py": 7,
+                 "test_skewing.py": 2, "test_import_graph.py": 2}
 
 
 def group_of(nodeid: str) -> str:

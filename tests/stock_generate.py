@@ -5,6 +5,7 @@
 Every request generates MAX_TOKENS tokens (ignore_eos).
 """
 
+import gc
 import json
 import os
 import sys
@@ -13,6 +14,9 @@ if __name__ == "__main__":
     os.environ["VLLM_PLUGINS"] = ""  # not even our backend subclass is registered
     from vllm import LLM, SamplingParams
 
+    # The engine's start then collects only what is new (vllm_kvevict/eval/inprocess.py).
+    gc.collect()
+    gc.freeze()
     model, max_tokens, block_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     dtype, kv_bytes = sys.argv[4], int(sys.argv[5])
     prompts = json.load(sys.stdin)

@@ -43,6 +43,7 @@ result, as one pass.
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -128,8 +129,6 @@ def close(llm) -> None:
     """vllm_kvevict.eval.inprocess.close, written out: a stock process must not
     import vllm_kvevict. Shut down now, then freeze the heap for the next
     engine's start (that function says why)."""
-    import gc
-
     llm.llm_engine.engine_core.shutdown()
     gc.collect()
     gc.freeze()
@@ -177,6 +176,8 @@ if __name__ == "__main__":
     kv_bytes = args.kv_bytes or (96 << 20) * (2 if args.dtype == "float32" else 1)
     from vllm import SamplingParams
 
+    gc.collect()
+    gc.freeze()  # the first engine's start then collects only what is new (see close)
     prompts = json.load(sys.stdin)
     results = []
     for run in args.runs:
