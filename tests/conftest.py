@@ -9,7 +9,6 @@ eviction state and vLLM's parallel groups are per process), so tests that
 share a configuration sit next to each other in a file.
 """
 
-import gc
 import json
 import os
 import subprocess
@@ -27,6 +26,7 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() and not os.path.exists
 import pytest
 import torch
 
+from vllm_kvevict.eval import inprocess
 from vllm_kvevict.eval.inprocess import close
 from vllm_kvevict.eval.server import kv_pool_bytes, native_dtype
 
@@ -231,8 +231,7 @@ def pytest_collection_finish(session):
     """Freeze what collection imported (vLLM, torch, the test modules), so that
     the first engine's start collects only what is new, as every later one
     does after inprocess.close (which says why and what it saves)."""
-    gc.collect()
-    gc.freeze()
+    inprocess.freeze()
 
 
 def pytest_xdist_auto_num_workers(config):

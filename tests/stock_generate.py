@@ -5,6 +5,7 @@
 Every request generates MAX_TOKENS tokens (ignore_eos).
 """
 
+import atexit
 import gc
 import json
 import os
@@ -17,6 +18,7 @@ if __name__ == "__main__":
     # The engine's start then collects only what is new (vllm_kvevict/eval/inprocess.py).
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)  # else Triton's nanobind types report leaks at exit
     model, max_tokens, block_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     dtype, kv_bytes = sys.argv[4], int(sys.argv[5])
     prompts = json.load(sys.stdin)

@@ -42,6 +42,7 @@ result, as one pass.
 """
 
 import argparse
+import atexit
 import dataclasses
 import gc
 import json
@@ -130,6 +131,12 @@ def close(llm) -> None:
     import vllm_kvevict. Shut down now, then freeze the heap for the next
     engine's start (that function says why)."""
     llm.llm_engine.engine_core.shutdown()
+    freeze()
+
+
+def freeze() -> None:
+    """vllm_kvevict.eval.inprocess.freeze, written out (see close); main
+    unfreezes at exit."""
     gc.collect()
     gc.freeze()
 
@@ -176,8 +183,8 @@ if __name__ == "__main__":
     kv_bytes = args.kv_bytes or (96 << 20) * (2 if args.dtype == "float32" else 1)
     from vllm import SamplingParams
 
-    gc.collect()
-    gc.freeze()  # the first engine's start then collects only what is new (see close)
+    freeze()  # the first engine's start then collects only what is new (see close)
+    atexit.register(gc.unfreeze)  # else Triton's nanobind types report leaks at exit
     prompts = json.load(sys.stdin)
     results = []
     for run in args.runs:

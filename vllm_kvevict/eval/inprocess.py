@@ -2,7 +2,23 @@
 process that starts another one after it: the demo, the harness, the
 benchmarks and the tests."""
 
+import atexit
 import gc
+
+_unfreeze_registered = False
+
+
+def freeze() -> None:
+    """Collect, then freeze every object the process holds (see close), and
+    unfreeze them at exit: frozen objects outlive the interpreter's last
+    collections, and extension types (Triton's nanobind ones) then report
+    themselves leaked."""
+    global _unfreeze_registered
+    gc.collect()
+    gc.freeze()
+    if not _unfreeze_registered:
+        atexit.register(gc.unfreeze)
+        _unfreeze_registered = True
 
 
 def close(llm) -> None:
@@ -22,5 +38,4 @@ def close(llm) -> None:
     collected at the next engine's shutdown, which unfreezes them again.
     """
     llm.llm_engine.engine_core.shutdown()
-    gc.collect()
-    gc.freeze()
+    freeze()
