@@ -26,8 +26,7 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() and not os.path.exists
 import pytest
 import torch
 
-from vllm_kvevict.eval import inprocess
-from vllm_kvevict.eval.inprocess import close
+from vllm_kvevict.eval.inprocess import close, freeze
 from vllm_kvevict.eval.server import kv_pool_bytes, native_dtype
 
 # The suite runs on pytest-xdist workers (pyproject: `-n auto`, at most one
@@ -231,7 +230,7 @@ def pytest_collection_finish(session):
     """Freeze what collection imported (vLLM, torch, the test modules), so that
     the first engine's start collects only what is new, as every later one
     does after inprocess.close (which says why and what it saves)."""
-    inprocess.freeze()
+    freeze()
 
 
 def pytest_xdist_auto_num_workers(config):

@@ -97,5 +97,6 @@ def table(title: str, columns: tuple[str, ...], rows: list[tuple]) -> None:
     for batch, ctx, *values in rows:
         print(f"| {batch} | {ctx} | " + " | ".join(f"{v:.1f}" for v in values) + " |")
 
+
 if __name__ == "__main__":
     main()

@@ -5,20 +5,16 @@ benchmarks and the tests."""
 import atexit
 import gc
 
-_unfreeze_registered = False
+# Frozen objects outlive the interpreter's last collections, and extension
+# types (Triton's nanobind ones) then report themselves leaked: unfreeze at
+# exit (a no-op where nothing was frozen).
+atexit.register(gc.unfreeze)
 
 
 def freeze() -> None:
-    """Collect, then freeze every object the process holds (see close), and
-    unfreeze them at exit: frozen objects outlive the interpreter's last
-    collections, and extension types (Triton's nanobind ones) then report
-    themselves leaked."""
-    global _unfreeze_registered
+    """Collect, then freeze every object the process holds (see close)."""
     gc.collect()
     gc.freeze()
-    if not _unfreeze_registered:
-        atexit.register(gc.unfreeze)
-        _unfreeze_registered = True
 
 
 def close(llm) -> None:
