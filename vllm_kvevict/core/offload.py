@@ -65,13 +65,13 @@ def select_host_entries(logits_res: torch.Tensor, logits_host: torch.Tensor,
     k = torch.minimum(torch.minimum(counts, cap.long()), total).clamp(min=1)
     kmax = int(k.max()) if k.numel() else 0
     idx = logits.topk(kmax, dim=2).indices  # (R, H_q, kmax), best first
-    keep = torch.arange(kmax)[None, None] < k[:, None, None]
+    keep = torch.arange(kmax, device=k.device)[None, None] < k[:, None, None]
     return torch.where(keep & (idx >= s), idx - s, torch.full_like(idx, -1))
 
 
 def _padding_mask(lengths: torch.Tensor, n: int) -> torch.Tensor:
     """(R,) lengths -> (R, 1, n) True on padding."""
-    return ~(torch.arange(n)[None] < lengths[:, None])[:, None]
+    return ~(torch.arange(n, device=lengths.device)[None] < lengths[:, None])[:, None]
 
 
 def attend_resident_and_host(q: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor,
@@ -139,9 +139,9 @@ def take_prefetched(sel: torch.Tensor, pre: Fetched) -> Fetched:
     r, hq, kp = pre.sel.shape
     n = max(int(sel.max()), int(pre.sel.max())) + 1 if sel.numel() and kp else 0
     # where[r, h, e]: e's position in pre's row (r, h), -1 if pre lacks it
-    where = torch.full((r, hq, n + 1), -1, dtype=torch.int64)
+    where = torch.full((r, hq, n + 1), -1, dtype=torch.int64, device=sel.device)
     src = torch.where(pre.mask, pre.sel, n)  # absent entries land in the spare slot n
-    where.scatter_(2, src, torch.arange(kp).expand(r, hq, kp).contiguous())
+    where.scatter_(2, src, torch.arange(kp, device=sel.device).expand(r, hq, kp).contiguous())
     where[..., n] = -1
     at = where.gather(2, torch.where(sel >= 0, sel, n))  # (R, H_q, K)
     hit = at >= 0
