@@ -14,6 +14,8 @@ original, delegates to it, and refuses to patch twice.
 | engine_core_modules    | EngineCore.kvevict_modules (added) / .preprocess_add_request |
 | runner_positions       | GPUModelRunner._prepare_inputs                |
 | input_processor_pml    | InputProcessor.process_inputs / .assign_request_id |
+| async_llm_pml          | AsyncLLM.add_request (PML expanded off the event loop) |
+| tokenize_truncation    | TokenizeParams.apply_pre_tokenization (truncation of a PML prompt refused) |
 | ray_on_cpu             | CpuPlatform.ray_device_key, RayExecutorV2._get_actor_resource_kwargs / _init_executor, RayWorkerProc.get_node_and_physical_gpu_ids / initialize_worker |
 
 vLLM internals used outside this folder (no patch: read, called, subclassed or
@@ -28,6 +30,7 @@ tests/test_import_graph.py fails on a private name used there but not here):
 | integration/spec.py           | KVCacheSpecRegistry._ensure_registered    | registration is one-shot: the built-in specs must be registered before ours |
 | integration/offload_connector.py | KVConnectorFactory._registry           | register_connector raises on a second registration; register() runs per process |
 | integration/module_store.py   | KVCacheManager._kvevict_modules (stamped) | one prompt-module store per KV cache manager, created on first use |
+| integration/prompt_modules.py | BaseRenderer._executor                    | the tokenizer thread: PML work runs there, off the event loop, never racing vLLM's tokenization |
 | integration/worker.py         | GPUModelRunner.requests[id].block_ids, .input_batch.req_ids | which blocks a request holds and the batch's row order |
 | integration/cpu_backend.py, cuda_backend.py | kvevict_decode_placement, kvevict_scored_rows, kvevict_host_lens (stamped on attention metadata) | the step's row placement for the score path, built once per step |
 | integration/probe.py (tests, benchmarks) | Scheduler.schedule / _preempt_request wrapped on one instance, _unprobed (stamped) | sample vLLM's own block accounting each step |
@@ -42,7 +45,7 @@ logger = logging.getLogger("vllm_kvevict")
 
 PATCHES = ("engine_args", "scheduler_schedule", "runner_update_states",
            "request_validation", "ray_on_cpu", "kv_manager_modules", "engine_core_modules",
-           "runner_positions", "input_processor_pml")
+           "runner_positions", "input_processor_pml", "async_llm_pml", "tokenize_truncation")
 _applied: set[str] = set()
 
 

@@ -90,6 +90,13 @@ _HELP = {
     "kv_max_pinned": "Prompt modules: share of the KV block pool that registered schemas' "
                      "module blocks may pin (e.g. 0.5 or 50%%); a schema past it is refused "
                      "with 413. Default: 0.5.",
+    "kv_max_pml_bytes": "Prompt modules: largest PML text a client may send (a schema "
+                        "route's body, a prompt's <prompt> element), e.g. 1MiB; checked "
+                        "before parsing (413 for a schema body, 400 for a prompt). "
+                        "Default: 1MiB.",
+    "kv_max_modules": "Prompt modules: most <module>, <union> and <param> elements in one "
+                      "schema, and most module imports in one prompt; past it, 400. "
+                      "Default: 512.",
 }
 
 

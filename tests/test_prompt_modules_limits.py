@@ -12,7 +12,10 @@ def limits_of(raw: dict) -> ModuleLimits:
 
 
 def test_defaults_and_parsing():
-    assert limits_of({}) == ModuleLimits(max_schemas=64, max_pinned=0.5)
+    assert limits_of({}) == ModuleLimits(max_schemas=64, max_pinned=0.5,
+                                         max_pml_bytes=1 << 20, max_modules=512)
+    assert limits_of({"kv_max_pml_bytes": "64KiB", "kv_max_modules": "8"}) == \
+        ModuleLimits(max_pml_bytes=64 << 10, max_modules=8)
     assert limits_of({"kv_max_schemas": "3", "kv_max_pinned": "25%"}) == \
         ModuleLimits(max_schemas=3, max_pinned=0.25)
     assert limits_of({"kv_max_schemas": 0, "kv_max_pinned": 1}).max_schemas == 0
@@ -27,6 +30,11 @@ def test_defaults_and_parsing():
     ({"kv_max_pinned": "0"}, "--kv-max-pinned"),
     ({"kv_max_pinned": 1.5}, "--kv-max-pinned"),
     ({"kv_max_pinned": "half"}, "--kv-max-pinned"),
+    ({"kv_max_schemas": "²"}, "--kv-max-schemas"),  # issue 38: "²".isdigit(), int("²") raises
+    ({"kv_max_pml_bytes": "lots"}, "--kv-max-pml-bytes"),
+    ({"kv_max_pml_bytes": 0}, "--kv-max-pml-bytes"),
+    ({"kv_max_modules": "0"}, "--kv-max-modules"),
+    ({"kv_max_modules": "²"}, "--kv-max-modules"),
 ])
 def test_bad_values_name_the_flag(raw, flag):
     with pytest.raises(EvictionConfigError, match=flag):
@@ -93,7 +101,9 @@ def test_help_shows_the_limits_with_their_defaults(parser, capsys):
         parser.parse_args(["--help=kv-"])
     text = capsys.readouterr().out
     for flag, default in (("--kv-max-schemas", "Default: 64."),
-                          ("--kv-max-pinned", "Default: 0.5.")):
+                          ("--kv-max-pinned", "Default: 0.5."),
+                          ("--kv-max-pml-bytes", "Default: 1MiB."),
+                          ("--kv-max-modules", "Default: 512.")):
         start = text.index(f"\n  {flag} ")
         entry = " ".join(text[start:start + 1000].split("\n  --")[1].split())
         assert default in entry and "(default: None)" not in entry, entry

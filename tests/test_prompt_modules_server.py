@@ -6,6 +6,7 @@ own usage report (`prompt_tokens_details.cached_tokens`), leaks from vLLM's
 `vllm:kv_cache_usage_perc`. Every bad input is a 4xx that changes nothing.
 """
 
+import threading
 import time
 
 import pytest
@@ -94,6 +95,160 @@ def test_bad_schemas_are_400(server):
     r = requests.delete(server.url + "/v1/kvevict/schemas/ghost", timeout=10)
     assert r.status_code == 404
     assert server.healthy()
+
+
+# --- issue 38: one hostile request must not stall the server ------------------------
+
+class Health:
+    """Polls /health from a thread while a hostile request runs; `worst` is the
+    longest any poll waited (a poll that timed out counts its full wait)."""
+
+    def __init__(self, server):
+        self.url, self.waits, self.done = server.url + "/health", [], threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self):
+        while not self.done.is_set():
+            start = time.monotonic()
+            try:
+                ok = requests.get(self.url, timeout=10).status_code == 200
+            except requests.RequestException:
+                ok = False
+            self.waits.append(time.monotonic() - start if ok else 10.0)
+            time.sleep(0.05)
+
+    def __enter__(self):
+        self.thread.start()
+        while not self.waits:  # the poller runs before the request goes out
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+
+    @property
+    def worst(self) -> float:
+        return max(self.waits)
+
+
+def hostile(server, send):
+    """`send()` with /health polled meanwhile: (response, seconds it took, Health).
+    A request the old code held for minutes times out at 60 s (a test failure)."""
+    with Health(server) as health:
+        start = time.monotonic()
+        r = send()
+        took = time.monotonic() - start
+    print(f"{took:.2f} s, /health worst {health.worst:.3f} s over {len(health.waits)} polls")
+    assert took < 5, took
+    assert health.worst < 1.0, health.waits
+    return r
+
+
+def post_schema(server, pml, **body):
+    return requests.post(server.url + "/v1/kvevict/schemas", json={"pml": pml, **body},
+                         timeout=60)
+
+
+NEWLINES = "a" + "\n" * 2500 + "b"  # 628 tokens; the old regex was cubic in the run
+
+
+def test_a_run_of_newlines_neither_stalls_nor_fails(server):
+    """Issue 38 #1: 23.6 s (schema) and 26 s (prompt) with /health blocked."""
+    r = hostile(server, lambda: post_schema(server, f'<schema name="ws">{NEWLINES}</schema>'))
+    assert r.status_code == 200, r.text
+    try:
+        r = hostile(server, lambda: complete(server, f'<prompt schema="people"><alice/>'
+                                                     f'{NEWLINES}</prompt>'))
+        assert r.status_code == 200, r.text
+        assert cached(r) == 64  # alice's full blocks, read
+    finally:
+        assert requests.delete(server.url + "/v1/kvevict/schemas/ws", timeout=30).ok
+
+
+DTD = ('<!DOCTYPE s [<!ENTITY e "' + "x" * 8000 + '">]><schema name="dtd">'
+       + "&e;" * 1000 + "</schema>")
+DEEP_MODULES = ('<schema name="deep">' + "".join(f'<module name="m{i}">t' for i in range(3000))
+                + "</module>" * 3000 + "</schema>")
+DEEP_UNIONS = ('<schema name="deep">' + "".join(f'<union><module name="u{i}">t'
+                                                for i in range(1500))
+               + "</module></union>" * 1500 + "</schema>")
+WIDE = ('<schema name="wide"><union>' + "".join(f'<module name="m{i}">x</module>'
+                                                for i in range(20_000)) + "</union></schema>")
+HUGE = '<schema name="huge">' + "word " * 220_000 + "</schema>"  # > 1 MiB
+
+HOSTILE_SCHEMAS = {
+    "dtd": (DTD, 400, "DTDs and entity declarations are refused"),
+    "modules 3,000 deep": (DEEP_MODULES, 400, "depth limit (64)"),
+    "unions 1,500 deep": (DEEP_UNIONS, 400, "depth limit (64)"),
+    "union of 20,000": (WIDE, 400, "--kv-max-modules is 512"),
+    "body over 1 MiB": (HUGE, 413, "--kv-max-pml-bytes (1048576 bytes)"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_SCHEMAS))
+def test_hostile_schemas_are_4xx_at_once(server, case):
+    """Issue 38 #2, #4: a DTD was expanded (4.8 s stall), 20,000 members accepted,
+    deep nesting a 500 (RecursionError); nothing was bounded before parsing."""
+    pml, status, message = HOSTILE_SCHEMAS[case]
+    r = hostile(server, lambda: post_schema(server, pml))
+    assert r.status_code == status and message in r.json()["error"]["message"], r.text
+    names = [s["name"] for s in requests.get(server.url + "/v1/kvevict/schemas",
+                                             timeout=10).json()["schemas"]]
+    assert names == ["people"]
+
+
+def test_hostile_prompts_are_400_at_once_and_serving_goes_on(server):
+    """Within max_model_len (vLLM refuses longer text itself): 300 deep (1,209
+    tokens), 600 imports (1,809)."""
+    deep, wide = "<a>" * 300 + "</a>" * 300, "<a/>" * 600
+    for body, message in ((deep, "depth limit (64)"), (wide, "--kv-max-modules is 512")):
+        r = hostile(server, lambda: complete(server, f'<prompt schema="people">{body}</prompt>'))
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    r = complete(server, PROMPT)
+    assert r.status_code == 200 and cached(r) == 128, r.text
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_truncating_a_module_prompt_is_400_naming_why(server, route):
+    """Issue 38 #5: truncate_prompt_tokens was silently ignored (5 asked, 185 sent)."""
+    send = complete if route == "completions" else chat
+    r = send(server, PROMPT, truncate_prompt_tokens=5)
+    assert r.status_code == 400, r.text
+    assert "truncate_prompt_tokens cannot apply to a prompt-module" in r.text, r.text
+    assert send(server, "A plain prompt.", truncate_prompt_tokens=5).status_code == 200
+
+
+def test_a_salted_schema_is_the_tenants_alone(server):
+    """Issue 38 #6: any client could list, import and delete any schema."""
+    url = server.url + "/v1/kvevict/schemas"
+    mine = SCHEMA.replace('name="people"', 'name="mine"')  # module names may repeat
+    r = post_schema(server, mine, cache_salt="tenant-a")
+    assert r.status_code == 200 and r.json()["shared"] is False, r.text
+    try:
+        listed = lambda **q: [s["name"] for s in requests.get(url, params=q, timeout=10)
+                              .json()["schemas"]]
+        assert listed() == ["people"] and listed(cache_salt="tenant-b") == ["people"]
+        assert listed(cache_salt="tenant-a") == ["people", "mine"]
+        assert requests.get(url + "/mine", timeout=10).status_code == 404
+        assert requests.get(url + "/mine", params={"cache_salt": "tenant-a"},
+                            timeout=10).status_code == 200
+        prompt = '<prompt schema="mine"><alice/>Who is Alice?</prompt>'
+        for salt in (None, "tenant-b"):
+            r = complete(server, prompt, **({"cache_salt": salt} if salt else {}))
+            assert r.status_code == 400 and "no schema 'mine'" in r.text, r.text
+            assert "mine" not in r.json()["error"]["message"].split("registered:")[1]
+        r = complete(server, prompt, cache_salt="tenant-a")
+        assert r.status_code == 200 and cached(r) == 64, r.text
+        r = complete(server, PROMPT, cache_salt="tenant-a")  # shared: everyone's
+        assert r.status_code == 200, r.text
+        assert requests.delete(url + "/mine", timeout=10).status_code == 404
+        assert requests.delete(url + "/mine", params={"cache_salt": "tenant-b"},
+                               timeout=10).status_code == 404
+    finally:
+        r = requests.delete(url + "/mine", params={"cache_salt": "tenant-a"}, timeout=30)
+    assert r.status_code == 200 and r.json()["blocks_released"] == 4, r.text
+    assert listed(cache_salt="tenant-a") == ["people"]
 
 
 def test_remove_returns_blocks_to_the_pool(server):

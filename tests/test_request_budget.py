@@ -138,3 +138,55 @@ def test_fraction_server_refuses_more_at_admission(model_path):
             admit(i, {"kv_budget": asked})
         assert err.value.parameter == "vllm_xargs"
     assert admit(2, {"kv_budget": 0.1}).sampling_params.extra_args == {"kv_budget": 0.1}
+
+
+# Issue 38: every per-request value parses to the validation error (400), never
+# to another exception (a 500): "²".isdigit() is True and int("²") raises, a
+# 400-digit integer overflows math.isfinite (vLLM refuses integers past 64 bits
+# first, here), thousands of digits overflow int().
+MALFORMED = [
+    ("kv_prefill_cap", "²"), ("kv_prefill_cap", "³"), ("kv_prefill_cap", "¹⁰"),
+    ("kv_prefill_cap", "½"), ("kv_prefill_cap", "①"), ("kv_prefill_cap", "٣"),
+    ("kv_prefill_cap", "-1"), ("kv_prefill_cap", "1.5"), ("kv_prefill_cap", "0x10"),
+    ("kv_prefill_cap", "9" * 5000), ("kv_prefill_cap", 10**400), ("kv_prefill_cap", -1),
+    ("kv_prefill_cap", 2.5), ("kv_prefill_cap", True), ("kv_prefill_cap", [64]),
+    ("kv_prefill_cap", float("nan")),
+    ("kv_budget", "²"), ("kv_budget", "-²"), ("kv_budget", "+-64"), ("kv_budget", "nan"),
+    ("kv_budget", "inf"), ("kv_budget", "-inf"), ("kv_budget", "1e400"),
+    ("kv_budget", "1e400%"), ("kv_budget", "%"), ("kv_budget", "0"), ("kv_budget", "9" * 5000),
+    ("kv_budget", 10**400), ("kv_budget", -10**400), ("kv_budget", float("inf")),
+    ("kv_budget", float("nan")), ("kv_budget", None), ("kv_budget", {"a": 1}),
+    ("kv_budget", True), ("kv_budget", "1/2"),
+    ("kv_recent", "²"), ("kv_recent", 10**400),
+]
+
+
+@pytest.fixture(scope="module")
+def processor(model_path):
+    """vLLM's admission step (InputProcessor.process_inputs -> _validate_params,
+    patched by patches/request_validation.py) for an h2o server of budget 256,
+    built from the engine config an engine would get; no engine."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    load_general_plugins()
+    return InputProcessor(EngineArgs(
+        model_path, block_size=32, max_model_len=2048, enforce_eager=True,
+        additional_config={"kv_eviction": "h2o", "kv_budget": SERVER_BUDGET}
+    ).create_engine_config())
+
+
+@pytest.mark.parametrize("key, value", MALFORMED, ids=[f"{k}={v!r}"[:40] for k, v in MALFORMED])
+def test_malformed_values_are_the_validation_error(processor, key, value):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError) as err:
+        processor.process_inputs("r", {"prompt_token_ids": [1, 2, 3]},
+                                 SamplingParams(max_tokens=4, extra_args={key: value}),
+                                 supported_tasks=("generate",))
+    if err.value.parameter == "extra_args":  # vLLM's own bound on integers, checked first
+        assert abs(value) > 2**63, err.value
+    else:
+        assert err.value.parameter == "vllm_xargs" and key in str(err.value), err.value

@@ -111,6 +111,9 @@ BAD_REQUESTS = {
     "policy per request": ("chat", {"vllm_xargs": {"kv_eviction": "lru"}},
                            "policy is a server setting"),
     "malformed vllm_xargs": ("completions", {"vllm_xargs": "kv_budget=8"}, "vllm_xargs"),
+    # issue 38: "²".isdigit() is True and int("²") raised: a 500
+    "prefill cap a superscript digit": ("completions", {"vllm_xargs": {"kv_prefill_cap": "²"}},
+                                        "kv_prefill_cap"),
 }
 
 

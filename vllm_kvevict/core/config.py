@@ -39,6 +39,8 @@ FLAGS = {
     "kv_skewing": "--kv-skewing",
     "kv_max_schemas": "--kv-max-schemas",  # ModuleLimits: the prompt-module schema routes
     "kv_max_pinned": "--kv-max-pinned",
+    "kv_max_pml_bytes": "--kv-max-pml-bytes",
+    "kv_max_modules": "--kv-max-modules",
 }
 
 
@@ -56,28 +58,47 @@ def _flag(key: str) -> str:
     return f"{FLAGS[key]} (additional_config['{key}'])"
 
 
+MAX_COUNT = 1 << 40  # no token count or size above this is a setting; parse no more digits
+
+
+def _digits(text: str) -> int | None:
+    """`text` as a count when it is plain ASCII digits, else None. Never raises:
+    "²".isdigit() is True and int("²") raises (issue 38), and int() of
+    thousands of digits raises too."""
+    text = text.strip()
+    if text.isascii() and text.isdigit() and len(text) <= 15:
+        return int(text)
+    return None
+
+
 def _number(key: str, value: Any) -> int | float:
     """An int (tokens) or a float in (0, 1] (fraction of the sequence)."""
     if isinstance(value, bool):
         raise EvictionConfigError(f"{_flag(key)} must be a number, got {value!r}")
     if isinstance(value, str):
         text = value.strip().rstrip("%")
+        count = _digits(text[1:] if text[:1] in ("+", "-") else text)
+        if count is not None and text.startswith("-"):
+            count = -count
         try:
             value = float(text) / 100 if value.strip().endswith("%") else (
-                int(text) if text.lstrip("+-").isdigit() else float(text))
-        except ValueError:
+                count if count is not None else float(text))
+        except (ValueError, OverflowError):
             raise EvictionConfigError(
                 f"{_flag(key)} must be a token count (256) or a fraction (0.2), "
                 f"got {value!r}") from None
-    if isinstance(value, float) and value.is_integer() and value > 1:
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer() and value > 1:
         value = int(value)
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
+    if (not isinstance(value, (int, float))
+            or isinstance(value, float) and not math.isfinite(value)):
         raise EvictionConfigError(f"{_flag(key)} must be a number, got {value!r}")
     if value <= 0:
         raise EvictionConfigError(f"{_flag(key)} must be > 0, got {value!r}")
     if isinstance(value, float) and value > 1:
         raise EvictionConfigError(
             f"{_flag(key)}: a fraction must be in (0, 1], got {value!r}")
+    if value > MAX_COUNT:
+        raise EvictionConfigError(f"{_flag(key)} must be at most {MAX_COUNT}, got {value!r}")
     return value
 
 
@@ -90,18 +111,24 @@ class ModuleLimits:
                  has its own registry); 0 turns registration off.
     max_pinned:  share of the engine's KV block pool that module blocks may
                  hold, in (0, 1]; the rest stays free for requests.
+    max_pml_bytes: largest PML text (a schema route's body, a prompt's
+                 <prompt> element), in UTF-8 bytes, checked before parsing.
+    max_modules: most elements (<module>, <union>, <param>) in one schema, and
+                 most module imports in one prompt, checked while parsing.
     """
 
     max_schemas: int = 64
     max_pinned: float = 0.5
+    max_pml_bytes: int = 1 << 20
+    max_modules: int = 512
 
 
 
 def _module_limits(raw: dict[str, Any]) -> ModuleLimits:
     """Parse `kv_max_schemas` / `kv_max_pinned` of `additional_config`."""
     count = raw.get("kv_max_schemas", ModuleLimits.max_schemas)
-    if isinstance(count, str) and count.strip().isdigit():
-        count = int(count)
+    if isinstance(count, str) and _digits(count) is not None:
+        count = _digits(count)
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise EvictionConfigError(
             f"{_flag('kv_max_schemas')} must be a schema count >= 0, got {count!r}")
@@ -114,7 +141,16 @@ def _module_limits(raw: dict[str, Any]) -> ModuleLimits:
         raise EvictionConfigError(
             f"{_flag('kv_max_pinned')} must be a share of the KV pool in (0, 1] "
             f"(0.5 or 50%), got {share!r}") from None
-    return ModuleLimits(max_schemas=count, max_pinned=float(share))
+    size = raw.get("kv_max_pml_bytes", ModuleLimits.max_pml_bytes)
+    size = parse_bytes("kv_max_pml_bytes", size)
+    modules = raw.get("kv_max_modules", ModuleLimits.max_modules)
+    if isinstance(modules, str) and _digits(modules) is not None:
+        modules = _digits(modules)
+    if isinstance(modules, bool) or not isinstance(modules, int) or modules < 1:
+        raise EvictionConfigError(
+            f"{_flag('kv_max_modules')} must be an element count >= 1, got {modules!r}")
+    return ModuleLimits(max_schemas=count, max_pinned=float(share), max_pml_bytes=size,
+                        max_modules=modules)
 
 
 @dataclass(frozen=True)
@@ -255,7 +291,9 @@ class EvictionConfig:
             out["kv_prefill_cap"] = self.prefill_cap
         if self.limits != ModuleLimits():
             out.update(kv_max_schemas=self.limits.max_schemas,
-                       kv_max_pinned=self.limits.max_pinned)
+                       kv_max_pinned=self.limits.max_pinned,
+                       kv_max_pml_bytes=self.limits.max_pml_bytes,
+                       kv_max_modules=self.limits.max_modules)
         return out
 
     def check_block_size(self, block_size: int) -> None:
@@ -289,7 +327,8 @@ class EvictionConfig:
         Raises EvictionConfigError naming the field, the value asked and the
         server's --kv-budget; nothing changes.
         """
-        asked = {k: v for k, v in (extra_args or {}).items() if k.startswith("kv_")}
+        asked = {k: v for k, v in (extra_args or {}).items()
+                 if isinstance(k, str) and k.startswith("kv_")}
         if not asked:
             return self
         where = "request field vllm_xargs (SamplingParams.extra_args)"
@@ -315,7 +354,9 @@ class EvictionConfig:
                 changes["prefill_cap"] = _prefill_cap(asked["kv_prefill_cap"])
             cfg = replace(self, **changes)
             cfg._check()
-        except EvictionConfigError as e:
+        except (ValueError, TypeError, ArithmeticError) as e:  # EvictionConfigError too
+            if not isinstance(e, EvictionConfigError):  # a parser bug must still be a 400
+                e = EvictionConfigError(f"malformed value in {sorted(asked)}: {e}")
             # Name the request's field, not the server flag the parser names.
             msg = re.sub(r"--kv-[a-z]+ \(additional_config\['(kv_\w+)'\]\)", r"\1", str(e))
             raise EvictionConfigError(f"{where}: {msg}") from None
@@ -403,7 +444,7 @@ def parse_bytes(key: str, value: Any) -> int:
                 f"{_flag(key)} must be a size such as 8GiB, 512MiB or a byte count, "
                 f"got {value!r}")
         number, unit = float(m.group(1)), m.group(2).lower()
-    size = int(number * _UNITS[unit])
+    size = int(number * _UNITS[unit]) if math.isfinite(number * _UNITS[unit]) else 0
     if size <= 0:
         raise EvictionConfigError(f"{_flag(key)} must be > 0, got {value!r}")
     return size
@@ -414,8 +455,10 @@ def _prefill_cap(cap: Any) -> int | None:
     given = cap
     if isinstance(cap, str):
         text = cap.strip().lower()
-        cap = None if text in ("", "none", "auto") else int(text) if text.isdigit() else cap
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+        cap = None if text in ("", "none", "auto") else _digits(text) if _digits(text) is not None \
+            else cap
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0
+                            or cap > MAX_COUNT):
         raise EvictionConfigError(
             f"{_flag('kv_prefill_cap')} must be a token count >= 0 or 'auto', got {given!r}")
     return cap

@@ -16,6 +16,13 @@ A schema names reusable prompt modules; a prompt imports some of them:
 Nested modules are imported inside their parent: `<a><b/></a>`. Everything here
 is syntax; positions and tokens are `prompt_layout`'s job. Errors are PMLError
 (a ValueError) with a message a user can act on; the server answers them 400.
+
+Bounded (issue 38): PML comes from clients, so parsing is linear in the input
+and stops early. Expat reads the text once; a DTD (and so any entity
+declaration: no entity is ever expanded) is refused at its first byte;
+elements nested deeper than MAX_DEPTH, or more than `max_elements` of them,
+stop the parse where they start, before any tree is built past the limit. The
+recursive walks below are therefore at most MAX_DEPTH deep.
 """
 
 from __future__ import annotations
@@ -23,8 +30,10 @@ from __future__ import annotations
 import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
+from xml.parsers import expat
 
 RESERVED = {"schema", "module", "union", "param", "prompt"}
+MAX_DEPTH = 64  # elements nested in one PML document, the root included
 
 
 class PMLError(ValueError):
@@ -75,13 +84,42 @@ class Prompt:
     parts: tuple = ()  # Text | Import, in document order
 
 
-def _xml(source: str, what: str) -> ET.Element:
+def _xml(source: str, what: str, max_elements: int | None = None) -> ET.Element:
+    """The element tree of `source`, parsed by expat with the limits above."""
     if not isinstance(source, str) or not source.strip():
         raise PMLError(f"{what} must be a non-empty PML string")
+    parser, builder = expat.ParserCreate(), ET.TreeBuilder()
+    parser.buffer_text = True  # one data callback per text run
+    depth = count = 0
+
+    def start(tag, attrs):
+        nonlocal depth, count
+        depth, count = depth + 1, count + 1
+        if depth > MAX_DEPTH:
+            raise PMLError(f"PML {what} nests elements deeper than the depth limit "
+                           f"({MAX_DEPTH})")
+        if max_elements is not None and count > max_elements + 1:  # + the root
+            raise PMLError(f"PML {what} has more than {max_elements} elements; "
+                           f"--kv-max-modules is {max_elements}")
+        builder.start(tag, attrs)
+
+    def end(tag):
+        nonlocal depth
+        depth -= 1
+        builder.end(tag)
+
+    def dtd(*_):
+        raise PMLError(f"PML {what}: DTDs and entity declarations are refused "
+                       f"(<!DOCTYPE ...>, <!ENTITY ...>)")
+
+    parser.StartElementHandler, parser.EndElementHandler = start, end
+    parser.CharacterDataHandler = builder.data
+    parser.StartDoctypeDeclHandler = parser.EntityDeclHandler = dtd
     try:
-        return ET.fromstring(source.strip())
-    except ET.ParseError as e:
+        parser.Parse(source.strip(), True)
+    except expat.ExpatError as e:
         raise PMLError(f"malformed PML {what}: {e}") from None
+    return builder.close()
 
 
 def _name(el: ET.Element, what: str) -> str:
@@ -154,8 +192,9 @@ def _module(el: ET.Element, names: set[str]) -> Module:
     return Module(name, tuple(parts))
 
 
-def parse_schema(source: str) -> Schema:
-    root = _xml(source, "schema")
+def parse_schema(source: str, max_elements: int | None = None) -> Schema:
+    """`max_elements`: most <module>, <union> and <param> elements (None: no cap)."""
+    root = _xml(source, "schema", max_elements)
     if root.tag != "schema":
         raise PMLError(f"a schema starts with <schema name=...>, got <{root.tag}>")
     name = _name(root, "schema")
@@ -188,8 +227,9 @@ def _import(el: ET.Element) -> Import:
     return Import(el.tag, dict(el.attrib), tuple(children))
 
 
-def parse_prompt(source: str) -> Prompt:
-    root = _xml(source, "prompt")
+def parse_prompt(source: str, max_elements: int | None = None) -> Prompt:
+    """`max_elements`: most imports (None: no cap)."""
+    root = _xml(source, "prompt", max_elements)
     if root.tag != "prompt":
         raise PMLError(f"a prompt starts with <prompt schema=...>, got <{root.tag}>")
     schema = (root.get("schema") or "").strip()

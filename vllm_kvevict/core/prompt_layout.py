@@ -34,7 +34,6 @@ import hashlib
 import hmac
 import json
 import os
-import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -84,22 +83,34 @@ class Unit:
         return self.name.startswith("#")
 
 
+def tenant(cache_salt: str | None) -> str:
+    """The schema scope of a client's cache salt: "" (shared) without one,
+    else a keyed digest (the salt itself is never stored or shown)."""
+    return salt("tenant", cache_salt)[len(SALT_PREFIX):][:32] if cache_salt else ""
+
+
 @dataclass
 class SchemaLayout:
     name: str
     units: dict[str, Unit]  # schema order
     end: int  # one past the last position the schema uses
+    scope: str = ""  # tenant(cache_salt) of the registering client; "" shared
+
+    @property
+    def ident(self) -> str:
+        """The registry's name for it: `name`, or `name@scope` for a tenant's."""
+        return f"{self.name}@{self.scope}" if self.scope else self.name
 
     def key(self, unit: str) -> str:
         """The engine-wide name of a unit's encoded blocks."""
-        return f"{self.name}/{unit}"
+        return f"{self.ident}/{unit}"
 
     def shared_blocks(self, block_size: int) -> int:
         """The KV blocks registering this schema pins (its units' full blocks)."""
         return sum(len(u.tokens) // block_size for u in self.units.values())
 
     def summary(self, block_size: int) -> dict:
-        return {"name": self.name, "positions": self.end, "modules": [
+        return {"name": self.name, "shared": not self.scope, "positions": self.end, "modules": [
             {"name": u.name, "parent": u.parent, "tokens": len(u.tokens),
              "positions": [u.start, u.end], "params": {k: v[1] for k, v in u.params.items()},
              "shared_tokens": len(u.tokens) // block_size * block_size}
@@ -121,18 +132,50 @@ class RequestLayout:
 
 
 def normalize(text: str) -> str:
-    return re.sub(r"\s*\n\s*$", "\n", re.sub(r"^\s*\n\s*", "\n", text))
+    """`text` with an edge run of whitespace holding a newline made one newline.
+    Linear: str.lstrip/rstrip, never a backtracking regex (issue 38: the
+    regex `\\s*\\n\\s*$` was cubic in a run of newlines)."""
+    body = text.lstrip()
+    if "\n" in text[: len(text) - len(body)]:
+        text = "\n" + body
+    body = text.rstrip()
+    if "\n" in text[len(body):]:
+        text = body + "\n"
+    return text
 
 
-def layout_schema(schema: Schema, tokenize: Tokenize) -> SchemaLayout:
+def _texts(parts):
+    """Every Text of a schema's parts (walks at most pml.MAX_DEPTH deep)."""
+    for part in parts:
+        if isinstance(part, Text):
+            yield part
+        elif isinstance(part, (Module, Union)):
+            yield from _texts(part.parts if isinstance(part, Module) else part.members)
+
+
+def layout_schema(schema: Schema, tokenize: Tokenize, max_positions: int | None = None,
+                  max_chars: int | None = None) -> SchemaLayout:
+    """Raises PMLError, before tokenizing anything, when the schema's text is
+    longer than `max_chars`, and stops as soon as it spans `max_positions`."""
     units: dict[str, Unit] = {}
     unions = 0
+    if max_chars is not None:
+        chars = sum(len(normalize(t.text)) for t in _texts(schema.parts))
+        if chars > max_chars:
+            raise PMLError(f"schema {schema.name!r} holds {chars} characters of text, more "
+                           f"than fit in max_model_len ({max_chars} at most)")
+
+    def grow(cursor: int) -> int:
+        if max_positions is not None and cursor > max_positions:
+            raise PMLError(f"schema {schema.name!r} spans more than {max_positions} "
+                           f"positions (max_model_len)")
+        return cursor
 
     def text(unit: Unit, t: Text, cursor: int) -> int:
         ids = tokenize(normalize(t.text))
         unit.tokens += ids
         unit.positions += range(cursor, cursor + len(ids))
-        return cursor + len(ids)
+        return grow(cursor + len(ids))
 
     def module(m: Module, cursor: int, parent: str | None, union: int | None) -> int:
         unit = units[m.name] = Unit(m.name, parent=parent, union=union, start=cursor)
@@ -141,7 +184,7 @@ def layout_schema(schema: Schema, tokenize: Tokenize) -> SchemaLayout:
                 cursor = text(unit, part, cursor)
             elif isinstance(part, Param):
                 unit.params[part.name] = (cursor, part.length)
-                cursor += part.length
+                cursor = grow(cursor + part.length)
             elif isinstance(part, Module):
                 cursor = module(part, cursor, m.name, None)
             else:
@@ -178,6 +221,7 @@ def layout_prompt(schema: SchemaLayout, prompt: Prompt, tokenize: Tokenize, bloc
     if prompt.schema != schema.name:
         raise PMLError(f"prompt is for schema {prompt.schema!r}, not {schema.name!r}")
     chosen: list[Unit] = [u for u in schema.units.values() if u.anonymous]
+    taken = {u.name for u in chosen}  # `unit in chosen` was quadratic
     private: list[tuple[list[int], list[int]]] = []  # (tokens, positions), prompt order
     unions: dict[int, str] = {}
 
@@ -192,7 +236,7 @@ def layout_prompt(schema: SchemaLayout, prompt: Prompt, tokenize: Tokenize, bloc
         if unit.parent != parent:
             where = f"inside <{unit.parent}>" if unit.parent else "at the top level"
             raise PMLError(f"module {imp.name!r} is imported {where} in schema {schema.name!r}")
-        if unit in chosen:
+        if unit.name in taken:
             raise PMLError(f"module {imp.name!r} is imported twice")
         if unit.union is not None:
             if unit.union in unions:
@@ -211,6 +255,7 @@ def layout_prompt(schema: SchemaLayout, prompt: Prompt, tokenize: Tokenize, bloc
                                f"tokens long; its len is {length}")
             private.append((ids, list(range(start, start + len(ids)))))
         chosen.append(unit)
+        taken.add(unit.name)
         for child in imp.children:
             pick(child, imp.name)
         return unit

@@ -21,15 +21,22 @@ nonce (check_request, on every request the input processor builds), and the
 cache salts of module requests are HMACs under a server key
 (prompt_layout.salt) in a namespace client salts may not use. Schemas
 registered over HTTP are bounded by --kv-max-schemas and --kv-max-pinned.
+
+Hostile input (issue 38): PML is parsed in linear time with a depth limit,
+DTDs refused, its size (--kv-max-pml-bytes) checked before parsing, its
+elements (--kv-max-modules) while parsing, its text against max_model_len
+before tokenizing; and the server runs registration and expansion on the
+renderer's tokenizer thread (`off_loop`), never on the event loop. A schema
+registered with a client's cache_salt is that tenant's alone
+(core/schema_registry.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
-import threading
 import uuid
-from collections.abc import Callable
 
 from vllm_kvevict.core.config import ModuleLimits
 from vllm_kvevict.core.pml import PMLError, find_prompt, parse_prompt, parse_schema
@@ -39,34 +46,15 @@ from vllm_kvevict.core.prompt_layout import (
     layout_prompt,
     layout_schema,
     salt,
+    tenant,
 )
+from vllm_kvevict.core.schema_registry import SchemaRegistry
 from vllm_kvevict.integration.module_store import LAYOUT_KEY, layout_problem
+from vllm_kvevict.integration.settings import eviction_config
 
 # Layouts are only accepted from this process's own code: a client that sends
 # `vllm_xargs: {"kvevict_layout": ...}` could otherwise pin or read any blocks.
 _NONCE = secrets.token_hex(16)
-
-
-class SchemaRegistry:
-    """The schemas this frontend process has registered (name -> layout)."""
-
-    def __init__(self) -> None:
-        self.schemas: dict[str, SchemaLayout] = {}
-        self.pending: set[str] = set()  # being encoded
-        self.lock = threading.Lock()
-
-    def reserve(self, name: str, admit: Callable[[int], None] | None = None) -> None:
-        """Claim `name`; `admit(schemas registered or pending)` may refuse it
-        (raises), under the same lock, so two registrations cannot both pass."""
-        with self.lock:
-            if name in self.schemas or name in self.pending:
-                raise PMLError(f"schema {name!r} is already registered; remove it first")
-            if admit is not None:
-                admit(len(self.schemas) + len(self.pending))
-            self.pending.add(name)
-
-    def owner_of(self, module: str) -> str | None:
-        return next((s.name for s in self.schemas.values() if module in s.units), None)
 
 
 REGISTRY = SchemaRegistry()
@@ -106,23 +94,58 @@ def _tokenize(input_processor):
     return lambda text: list(tok.encode(text, add_special_tokens=False))
 
 
+def _max_chars(input_processor, max_model_len: int) -> int | None:
+    """Characters that can hold at most max_model_len tokens (vLLM's own bound:
+    its tokenizers know their longest token), or None when unknown."""
+    per_token = getattr(input_processor.tokenizer, "max_chars_per_token", None)
+    return max_model_len * per_token if isinstance(per_token, int) else None
+
+
+def scope_of(cache_salt) -> str:
+    """The schema scope of a client's cache_salt (core/schema_registry.py)."""
+    if cache_salt is None:
+        return ""
+    if not isinstance(cache_salt, str) or not cache_salt or cache_salt.startswith(SALT_PREFIX):
+        err = PMLError(f"cache_salt must be a non-empty string not starting with "
+                       f"{SALT_PREFIX!r}")
+        err.parameter = "cache_salt"
+        raise err
+    return tenant(cache_salt)
+
+
+def _check_size(pml: str, limits: ModuleLimits | None, what: str) -> None:
+    """Refuse PML past --kv-max-pml-bytes (UTF-8 bytes; a char is at least one)."""
+    if limits is not None and (len(pml) > limits.max_pml_bytes or len(
+            pml.encode("utf-8", "surrogatepass")) > limits.max_pml_bytes):
+        raise SchemaLimitError(413, f"the PML {what} is larger than --kv-max-pml-bytes "
+                                    f"({limits.max_pml_bytes} bytes)")
+
+
 def prepare_schema(pml: str, input_processor, vllm_config, limits: ModuleLimits | None = None,
-                   usage: dict | None = None) -> tuple[SchemaLayout, list]:
+                   usage: dict | None = None, cache_salt: str | None = None
+                   ) -> tuple[SchemaLayout, list]:
     """Parse and lay out a schema; returns it with its encode requests
     [(prompt dict, SamplingParams)]. Reserves the name (release on failure).
-    With `limits`, `usage` is the engine core's ModuleStore.usage()."""
+    With `limits` (the server's; None offline), `usage` is the engine core's
+    ModuleStore.usage(). A `cache_salt` makes it that tenant's schema."""
     from vllm import SamplingParams
 
     _check_engine(vllm_config)
-    layout = layout_schema(parse_schema(pml), _tokenize(input_processor))
-    if layout.end >= vllm_config.model_config.max_model_len:
+    scope = scope_of(cache_salt)
+    _check_size(pml, limits, "schema")
+    schema = parse_schema(pml, limits.max_modules if limits else None)
+    max_len = vllm_config.model_config.max_model_len
+    layout = layout_schema(schema, _tokenize(input_processor), max_positions=max_len - 1,
+                           max_chars=_max_chars(input_processor, max_len))
+    layout.scope = scope
+    if layout.end >= max_len:
         raise PMLError(f"schema {layout.name!r} spans {layout.end} positions; "
-                       f"max_model_len is {vllm_config.model_config.max_model_len}")
+                       f"max_model_len is {max_len}")
     bs = vllm_config.cache_config.block_size
     admit = None if limits is None else (lambda registered: check_limits(
         limits, layout.name, registered=registered, new=layout.shared_blocks(bs),
         pinned=usage["pinned_blocks"], pool=usage["pool_blocks"]))
-    REGISTRY.reserve(layout.name, admit)
+    REGISTRY.reserve(layout.ident, admit)
     requests = []
     for unit in layout.units.values():
         if len(unit.tokens) >= bs:  # shorter units have no full block to share
@@ -135,24 +158,26 @@ def prepare_schema(pml: str, input_processor, vllm_config, limits: ModuleLimits 
     return layout, requests
 
 
-def _finish(layout: SchemaLayout, ok: bool) -> None:
-    with REGISTRY.lock:
-        REGISTRY.pending.discard(layout.name)
-        if ok:
-            REGISTRY.schemas[layout.name] = layout
+_finish = REGISTRY.finish
 
 
-def _forget(name: str) -> None:
-    with REGISTRY.lock:
-        if name not in REGISTRY.schemas:
-            raise KeyError(f"no schema {name!r} is registered")
-        del REGISTRY.schemas[name]
+def list_schemas(engine_or_llm=None, cache_salt: str | None = None) -> list[dict]:
+    """The schemas a client with `cache_salt` sees: the shared ones and its own."""
+    bs = _block_size(engine_or_llm)
+    return [s.summary(bs) for s in REGISTRY.visible(scope_of(cache_salt)).values()]
 
 
-def list_schemas(engine_or_llm=None) -> list[dict]:
+def get_schema(engine_or_llm, name: str, cache_salt: str | None = None) -> dict:
+    """One visible schema's summary; KeyError when the client sees none of that name."""
+    layout = REGISTRY.get(name, scope_of(cache_salt))
+    if layout is None:
+        raise KeyError(f"no schema {name!r} is registered")
+    return layout.summary(_block_size(engine_or_llm))
+
+
+def _block_size(engine_or_llm) -> int:
     cfg = _vllm_config(engine_or_llm) if engine_or_llm is not None else None
-    bs = cfg.cache_config.block_size if cfg else 1
-    return [s.summary(bs) for s in REGISTRY.schemas.values()]
+    return cfg.cache_config.block_size if cfg else 1
 
 
 def _vllm_config(obj):
@@ -161,26 +186,28 @@ def _vllm_config(obj):
 
 # --- offline (LLM) ------------------------------------------------------------
 
-def register_schema(llm, pml: str) -> dict:
-    """Encode a schema's modules in `llm` (vllm.LLM); returns its summary."""
+def register_schema(llm, pml: str, cache_salt: str | None = None) -> dict:
+    """Encode a schema's modules in `llm` (vllm.LLM); returns its summary.
+    With `cache_salt`, only requests with that salt see it."""
     engine = llm.llm_engine
-    layout, requests = prepare_schema(pml, engine.input_processor, engine.vllm_config)
+    layout, requests = prepare_schema(pml, engine.input_processor, engine.vllm_config,
+                                      cache_salt=cache_salt)
     try:
         if requests:
             llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
     except BaseException:
         _finish(layout, False)
-        _call_core(engine.engine_core, "drop", f"{layout.name}/")
+        _call_core(engine.engine_core, "drop", f"{layout.ident}/")
         raise
     _finish(layout, True)
     return layout.summary(engine.vllm_config.cache_config.block_size)
 
 
-def remove_schema(llm, name: str) -> int:
+def remove_schema(llm, name: str, cache_salt: str | None = None) -> int:
     """Forget a schema; its blocks return to vLLM's pool once no running request
     reads them. Returns the number of blocks the store released."""
-    _forget(name)
-    return _call_core(llm.llm_engine.engine_core, "drop", f"{name}/")
+    layout = REGISTRY.forget(name, scope_of(cache_salt))
+    return _call_core(llm.llm_engine.engine_core, "drop", f"{layout.ident}/")
 
 
 def pinned_modules(llm) -> dict:
@@ -201,15 +228,26 @@ def _call_core(client, op: str, arg: str):
 _REGISTERING = asyncio.Lock()
 
 
-async def register_schema_async(engine, pml: str, limits: ModuleLimits | None = None) -> dict:
+async def off_loop(input_processor, fn, *args):
+    """`fn(*args)` on the renderer's tokenizer thread (vLLM runs tokenization
+    there, one thread by default, so ours never races it on a tokenizer),
+    leaving the event loop free: /health and other streams keep answering."""
+    executor = getattr(getattr(input_processor, "renderer", None), "_executor", None)
+    return await asyncio.get_running_loop().run_in_executor(
+        executor, functools.partial(fn, *args))
+
+
+async def register_schema_async(engine, pml: str, limits: ModuleLimits | None = None,
+                                cache_salt: str | None = None) -> dict:
     """Encode a schema's modules through `engine` (AsyncLLM); the HTTP route
     passes the server's `limits` (SchemaLimitError when past one)."""
     async with _REGISTERING:
         usage = None
         if limits is not None:
             usage = await engine.engine_core.call_utility_async("kvevict_modules", "usage", "")
-        layout, requests = prepare_schema(pml, engine.input_processor, engine.vllm_config,
-                                          limits, usage)
+        layout, requests = await off_loop(engine.input_processor, prepare_schema, pml,
+                                          engine.input_processor, engine.vllm_config,
+                                          limits, usage, cache_salt)
         try:
             for prompt, params in requests:  # one at a time: each is a full prefill
                 async for _ in engine.generate(prompt, params,
@@ -218,38 +256,53 @@ async def register_schema_async(engine, pml: str, limits: ModuleLimits | None = 
         except BaseException:
             _finish(layout, False)
             await engine.engine_core.call_utility_async("kvevict_modules", "drop",
-                                                        f"{layout.name}/")
+                                                        f"{layout.ident}/")
             raise
         _finish(layout, True)
     return layout.summary(engine.vllm_config.cache_config.block_size)
 
 
-async def remove_schema_async(engine, name: str) -> int:
-    _forget(name)
-    return await engine.engine_core.call_utility_async("kvevict_modules", "drop", f"{name}/")
+async def remove_schema_async(engine, name: str, cache_salt: str | None = None) -> int:
+    layout = REGISTRY.forget(name, scope_of(cache_salt))
+    return await engine.engine_core.call_utility_async("kvevict_modules", "drop",
+                                                       f"{layout.ident}/")
 
 
 # --- input processing ----------------------------------------------------------
 
 def expand(input_processor, prompt: dict, params):
     """(prompt, params) with a PML prompt rewritten; unchanged when the prompt
-    holds none. Raises PMLError for bad PML (the caller answers 400)."""
+    holds none or was expanded already (our layout, with this process's nonce:
+    the server expands off the event loop first, patches/async_llm_pml.py).
+    Raises PMLError for bad PML (the caller answers 400)."""
     text = prompt.get("prompt") if prompt.get("type") == "token" else None
     split = find_prompt(text) if isinstance(text, str) and "<prompt" in text else None
-    if split is None:
+    layout = (getattr(params, "extra_args", None) or {}).get(LAYOUT_KEY)
+    if split is None or isinstance(layout, dict) and layout.get("nonce") == _NONCE:
         return prompt, params
     before, element, after = split
     vllm_config = input_processor.vllm_config
     _check_engine(vllm_config)
-    parsed = parse_prompt(element)
-    schema = REGISTRY.schemas.get(parsed.schema)
+    limit = vllm_config.model_config.max_model_len
+    limits = eviction_config(vllm_config).limits
+    try:
+        _check_size(element, limits, "prompt")
+    except SchemaLimitError as e:
+        raise PMLError(str(e)) from None  # a prompt's is a 400, like every bad prompt
+    chars = _max_chars(input_processor, limit)
+    if chars is not None and len(text) > chars:
+        raise PMLError(f"the prompt holds {len(text)} characters, more than fit in "
+                       f"max_model_len ({limit} tokens: {chars} characters at most)")
+    parsed = parse_prompt(element, limits.max_modules)
+    scope = scope_of(prompt.get("cache_salt"))
+    schema = REGISTRY.get(parsed.schema, scope)
     if schema is None:
         raise PMLError(f"no schema {parsed.schema!r} is registered"
-                       f" (registered: {', '.join(REGISTRY.schemas) or 'none'})")
+                       f" (registered: {', '.join(REGISTRY.visible(scope)) or 'none'})")
     around = tuple(t if t.strip() else "" for t in (before, after))
     layout = layout_prompt(schema, parsed, _tokenize(input_processor),
-                           vllm_config.cache_config.block_size, REGISTRY.owner_of, around)
-    limit = vllm_config.model_config.max_model_len
+                           vllm_config.cache_config.block_size,
+                           lambda module: REGISTRY.owner_of(module, scope), around)
     end = max(layout.positions) + 1
     params = params.clone()
     if params.max_tokens is None:
