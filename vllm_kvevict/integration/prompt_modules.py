@@ -106,8 +106,8 @@ def scope_of(cache_salt) -> str:
     if cache_salt is None:
         return ""
     if not isinstance(cache_salt, str) or not cache_salt or cache_salt.startswith(SALT_PREFIX):
-        err = PMLError(f"cache_salt must be a non-empty string not starting with "
-                       f"{SALT_PREFIX!r}")
+        err = PMLError(f"cache_salt must be a non-empty string; values starting with "
+                       f"{SALT_PREFIX!r} are reserved for prompt modules")
         err.parameter = "cache_salt"
         raise err
     return tenant(cache_salt)
@@ -275,10 +275,12 @@ def expand(input_processor, prompt: dict, params):
     holds none or was expanded already (our layout, with this process's nonce:
     the server expands off the event loop first, patches/async_llm_pml.py).
     Raises PMLError for bad PML (the caller answers 400)."""
+    layout = (getattr(params, "extra_args", None) or {}).get(LAYOUT_KEY)
+    if isinstance(layout, dict) and layout.get("nonce") == _NONCE:
+        return prompt, params
     text = prompt.get("prompt") if prompt.get("type") == "token" else None
     split = find_prompt(text) if isinstance(text, str) and "<prompt" in text else None
-    layout = (getattr(params, "extra_args", None) or {}).get(LAYOUT_KEY)
-    if split is None or isinstance(layout, dict) and layout.get("nonce") == _NONCE:
+    if split is None:
         return prompt, params
     before, element, after = split
     vllm_config = input_processor.vllm_config
