@@ -40,7 +40,8 @@ def test_dry_run_checks_every_kernel_the_core_and_syncs_without_vllm(tmp_path):
     assert all(r["ok"] for r in checked), [r for r in checked if not r["ok"]]
     # The checks measured something: errors are real numbers, compactions happened.
     assert all(0 < r["out_err"] < 1e-2 for r in res["correctness"] if "out_err" in r)
-    assert all(r["compactions"] > 0 and r["same_kept"] for r in res["core"] if "compactions" in r)
+    assert all(r["compactions"] > 0 and r["overlap_min"] == 1.0 and r["same_cache"]
+               for r in res["core"] if "compactions" in r)
     assert {r["counter"] for r in res["syncs"]} == {0, 1, 2}
     assert len(res["timing"]) >= 8
     md = (tmp_path / "gpu_check.md").read_text()

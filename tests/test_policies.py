@@ -23,6 +23,24 @@ def test_h2o_recent_tokens_kept_even_with_zero_score():
     assert (kept[:, :8].sort(dim=1).values == scores[:, :32].topk(8).indices.sort(dim=1).values).all()
 
 
+@pytest.mark.parametrize("n,keep,recent", [(64, 40, 8), (64, 16, 4), (33, 33, 0), (40, 8, 8)])
+def test_ties_at_the_cut_keep_the_newest_whichever_branch(n, keep, recent):
+    """SnapKV/AnDPro's pooled chunk scores tie by design: the kept set is then
+    the top (score, position) pairs, newest winning ties, in both the drop
+    branch (few dropped) and the keep branch, the same on any device."""
+    from vllm_kvevict.core.policies import recent_plus_top_scored
+
+    g = torch.Generator().manual_seed(n + keep)
+    scores = torch.randint(0, 4, (3, n), generator=g).float()  # many ties
+    kept = recent_plus_top_scored(scores, keep, recent)
+    old = n - recent
+    want = []
+    for row in scores[:, :old].tolist():  # lexicographic (score, position), highest first
+        top = sorted(range(old), key=lambda i: (row[i], i), reverse=True)[:keep - recent]
+        want.append(sorted(top) + list(range(old, n)))
+    assert kept.tolist() == want
+
+
 def test_streaming_keeps_exactly_sinks_and_recent():
     kept = StreamingPolicy(sink=4).select(torch.rand(3, 100), keep=20, recent=0)
     assert kept.tolist() == [list(range(4)) + list(range(84, 100))] * 3

@@ -35,28 +35,41 @@ import torch
 
 def recent_plus_top_scored(scores: torch.Tensor, keep: int, recent: int) -> torch.Tensor:
     """The `recent` newest tokens plus the `keep - recent` older tokens with the
-    largest scores: (H, n) -> (H, keep) ascending indices.
+    largest scores: (H, n) -> (H, keep) ascending indices. Among equal scores at
+    the cut the newer tokens stay, so the kept set is a function of the scores
+    alone: the same on every device and rank (top-k breaks ties by whatever
+    order its kernel visits them, and SnapKV/AnDPro's pooled chunk scores tie
+    by design; the GPU check caught CUDA and CPU keeping different tokens).
 
     A compaction usually drops one block of many (n - keep << keep): then the
     dropped tokens are the ones found (the n - keep lowest), and a mask gives
     the kept ones in ascending order without a sort. 90 rows x 4,128 -> 4,096
     tokens, one core: 1.2 ms, vs 18.6 ms for the top 2,048 and a sort
-    (scripts/measure/select_timing.py; the sets differ only where scores tie
-    exactly at the cut)."""
+    (scripts/measure/select_timing.py)."""
     num_heads, n = scores.shape
     assert 0 <= recent <= keep <= n, (recent, keep, n)
     old, heavy = n - recent, keep - recent  # older tokens; how many of them stay
-    if n - keep < heavy:
-        drop = torch.topk(scores[:, :old], n - keep, dim=1, largest=False).indices
-        kept = torch.ones(num_heads, old, dtype=torch.bool, device=scores.device)
-        kept.scatter_(1, drop, False)
-    else:
-        top = torch.topk(scores[:, :old], heavy, dim=1).indices
-        kept = torch.zeros(num_heads, old, dtype=torch.bool, device=scores.device)
-        kept.scatter_(1, top, True)
+    s = scores[:, :old]
+    if n - keep < heavy:  # find the dropped: the lowest, the oldest among ties at the cut
+        kept = ~_lowest(s, old - heavy, oldest_first=True)
+    else:  # find the kept: the highest, the newest among ties at the cut
+        kept = _lowest(-s, heavy, oldest_first=False)
     older = kept.nonzero()[:, 1].view(num_heads, heavy)  # row-major: ascending per row
     tail = torch.arange(old, n, device=scores.device).expand(num_heads, -1)
     return torch.cat([older, tail], dim=1)
+
+
+def _lowest(s: torch.Tensor, count: int, oldest_first: bool) -> torch.Tensor:
+    """(H, m) -> (H, m) bool marking each row's `count` lowest values; ties at
+    the cut go to the oldest (lowest index) or newest entries, deterministically."""
+    marked = torch.zeros_like(s, dtype=torch.bool)
+    if count == 0:
+        return marked
+    cut = torch.topk(s, count, dim=1, largest=False).values[:, -1:]  # the same on any device
+    below = s < cut
+    tied = s == cut
+    rank = tied.cumsum(1) if oldest_first else tied.flip(1).cumsum(1).flip(1)
+    return below | (tied & (rank <= count - below.sum(1, keepdim=True)))
 
 
 class EvictionPolicy(ABC):

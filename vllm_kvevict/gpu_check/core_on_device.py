@@ -9,10 +9,12 @@ attention, SnapKV/AnDPro's window scores, none for StreamingLLM) and the cache
 is compacted. On the device side everything goes where `kernel_dispatch` sends
 a CUDA tensor (the fused Triton decode scorer, the window kernel, the in-place
 compaction kernel; under the dry run the same kernels in the interpreter); the
-CPU side runs the plain-torch paths (VLLM_KVEVICT_KERNELS=torch). Checked at
-every compaction: the same kept sets, bit-identical caches; after every step,
-the score buffers within float32 rounding. Then InfiniGen's decode math
-(`core.offload`) on device tensors against the CPU.
+CPU side runs the plain-torch paths (VLLM_KVEVICT_KERNELS=torch). The two run
+in lockstep: at each compaction both apply the device's kept set (so the caches
+stay comparable) and the CPU's own choice is compared with it (overlap per
+request and KV head); after every step the resident caches must be
+bit-identical and the score buffers within float32 rounding. Then InfiniGen's
+decode math (`core.offload`) on device tensors against the CPU.
 """
 from __future__ import annotations
 
@@ -69,87 +71,135 @@ class Side:
                                  k.transpose(0, 1).to(self.device), v.transpose(0, 1).to(self.device))
 
 
-def simulate(t: Target, policy_name: str, mode: str, device, inputs, steps: int) -> list:
-    """Run the batch on `device` with kernels `mode`; returns per-step snapshots."""
-    from vllm_kvevict.core.compaction import compact, move_scores
-    from vllm_kvevict.core.config import EvictionConfig
-    from vllm_kvevict.core.planner import compaction_target
-    from vllm_kvevict.core.policies import make_policy
-    from vllm_kvevict.core.scores import accumulate_scores
+class Batch:
+    """One side of the lockstep run: a Side plus the request lengths and the
+    newest queries, stepped with kernels `mode`."""
 
-    q_all, k_all, v_all, prompts = inputs  # (R, L, H_q | H, D) on the CPU
-    num_req, _, hq, d = q_all.shape
-    h, bs = k_all.shape[2], 16
-    cfg = EvictionConfig.from_dict({"kv_eviction": policy_name, "kv_budget": BUDGET})
-    policy = make_policy(cfg.policy, cfg.sink, cfg.window)
-    max_blocks = -(-(max(prompts) + steps) // bs) + 1
-    side = Side(device, k_all.dtype, num_req, max_blocks, h, d, bs)
-    scale = d ** -0.5
-    phys, logical = list(prompts), list(prompts)
-    window_q = [q_all[r, :n] for r, n in enumerate(prompts)]  # the newest queries, by age
-    snaps = []
+    def __init__(self, device, mode, policy, cfg, inputs, steps):
+        q_all, k_all, _, prompts = inputs
+        num_req, _, _, d = q_all.shape
+        self.bs, self.mode, self.policy, self.cfg = 16, mode, policy, cfg
+        max_blocks = -(-(max(prompts) + steps) // self.bs) + 1
+        self.side = Side(device, k_all.dtype, num_req, max_blocks, k_all.shape[2], d, self.bs)
+        self.device, self.scale = torch.device(device), d ** -0.5
+        self.phys = list(prompts)
+        self.window_q = [q_all[r, :n] for r, n in enumerate(prompts)]  # newest queries, by age
 
-    def score(q, lens, starts):
-        """One step's queries (sum(lens), H_q, D), each request's `lens[r]`
-        new tokens already written at physical starts[r]."""
-        if not policy.needs_scores:
+    def score(self, q, lens, starts):
+        """Score one step's queries (sum(lens), H_q, D); request r's lens[r] new
+        tokens are already written at physical positions starts[r]..."""
+        from vllm_kvevict.core.scores import accumulate_scores
+
+        if not self.policy.needs_scores:
             return
+        side, dev = self.side, self.device
         qsl = torch.tensor([0] + lens).cumsum(0).int()
         seq = torch.tensor([s + n for s, n in zip(starts, lens)]).int()
         slots = torch.cat([side.slots(r, s, n) for r, (s, n) in enumerate(zip(starts, lens))])
-        dev = side.device
-        accumulate_scores(side.scores, side.layout, side.kc, q.to(dev), qsl.to(dev), seq.to(dev),
-                          side.table.to(dev), slots.to(dev), scale, decode=True,
-                          query_start_loc_cpu=qsl, seq_lens_cpu=seq)
+        with kernels(self.mode):
+            accumulate_scores(side.scores, side.layout, side.kc, q.to(dev), qsl.to(dev),
+                              seq.to(dev), side.table.to(dev), slots.to(dev), self.scale,
+                              decode=True, query_start_loc_cpu=qsl, seq_lens_cpu=seq)
 
-    with kernels(mode):
-        for r, n in enumerate(prompts):  # prefill: every prompt one chunk
-            side.write(r, 0, k_all[r, :n], v_all[r, :n])
-        score(torch.cat(window_q), list(prompts), [0] * num_req)
-        for step in range(steps):
-            q = torch.stack([q_all[r, logical[r]] for r in range(num_req)])
+    def selection_scores(self, r: int, recent: int) -> torch.Tensor:
+        """(H, old) the policy's scores of request r's resident tokens, oldest first."""
+        side, old = self.side, self.phys[r]
+        src_blocks = side.table[r:r + 1, : -(-old // self.bs)]
+        with kernels(self.mode):
+            if self.policy.window:
+                kk = side.layout.gather_keys(side.kc, src_blocks)[:, :, :old]
+                vv = side.layout.gather_values(side.vc, src_blocks)[:, :, :old]
+                return self.policy.scores(self.window_q[r][None].to(self.device), kk, vv,
+                                          self.scale, recent)[0]
+            if self.policy.needs_scores:
+                return side.scores[:, side.slots(r, 0, old).to(self.device)]
+            return torch.zeros(side.layout.num_kv_heads, old, device=self.device)
+
+    def compact(self, r: int, keep: torch.Tensor) -> None:
+        """Request r keeps tokens keep (H, new) (ascending), moved as the worker
+        moves them: the Triton kernel where kernel_dispatch picks it, else the
+        torch path."""
+        from vllm_kvevict.core.compaction import compact, move_scores
+        from vllm_kvevict.core.kernel_dispatch import triton_module, use_triton
+
+        side, old, new = self.side, self.phys[r], keep.shape[1]
+        keep = keep[None].to(self.device)
+        src = side.slots(r, 0, old)[None]
+        n_dst = -(-new // self.bs)
+        dst = side.slots(r, 0, n_dst * self.bs)[None]
+        sc = side.scores if self.policy.needs_scores else None
+        with kernels(self.mode):
+            if use_triton(side.kc, side.layout):
+                triton_module("compaction").compact_in_place(side.kc, side.vc, sc, src, dst, keep)
+            else:
+                compact(side.layout, side.kc, side.vc, side.table[r:r + 1, : -(-old // self.bs)],
+                        side.table[r:r + 1, :n_dst], keep)
+                if sc is not None:
+                    move_scores(sc, src, dst[:, :new], keep)
+        self.phys[r] = new
+
+    def resident(self):
+        side = self.side
+        slots = torch.cat([side.slots(r, 0, p) for r, p in enumerate(self.phys)])
+        h, d = side.layout.num_kv_heads, side.layout.head_size
+        return (side.kc.reshape(-1, h, d)[slots].cpu(), side.vc.reshape(-1, h, d)[slots].cpu(),
+                side.scores[:, slots.to(self.device)].cpu())
+
+
+def lockstep(t: Target, policy_name: str, inputs, steps: int) -> dict:
+    """The batch on the device (kernels where kernel_dispatch sends CUDA data;
+    the interpreter under the dry run) and on the CPU (torch paths), step by
+    step. At each compaction both sides apply the device's kept set, so the
+    caches stay comparable; the CPU's own choice is compared with it."""
+    from vllm_kvevict.core.config import EvictionConfig
+    from vllm_kvevict.core.planner import compaction_target
+    from vllm_kvevict.core.policies import make_policy
+
+    q_all, k_all, v_all, prompts = inputs
+    num_req = q_all.shape[0]
+    cfg = EvictionConfig.from_dict({"kv_eviction": policy_name, "kv_budget": BUDGET})
+    policy = make_policy(cfg.policy, cfg.sink, cfg.window)
+    dev = Batch(t.device, "triton" if t.dry else "auto", policy, cfg, inputs, steps)
+    cpu = Batch("cpu", "torch", policy, cfg, inputs, steps)
+    logical = list(prompts)
+    res = {"compactions": 0, "overlap_min": 1.0, "scores_err": 0.0, "selection_err": 0.0,
+           "same_cache": True}
+    both = (dev, cpu)
+    for b in both:  # prefill: every prompt one chunk
+        for r, n in enumerate(prompts):
+            b.side.write(r, 0, k_all[r, :n], v_all[r, :n])
+        b.score(torch.cat(b.window_q), list(prompts), [0] * num_req)
+    for _ in range(steps):
+        q = torch.stack([q_all[r, logical[r]] for r in range(num_req)])
+        for b in both:
+            starts = list(b.phys)
             for r in range(num_req):
-                side.write(r, phys[r], k_all[r, logical[r]][None], v_all[r, logical[r]][None])
-                window_q[r] = torch.cat([window_q[r], q[r][None]])[-cfg.window:]
-            score(q, [1] * num_req, phys)
-            phys, logical = [p + 1 for p in phys], [n + 1 for n in logical]
-            kept = {}
-            for r in range(num_req):
-                new = compaction_target(cfg, phys[r], logical[r], False, bs)
-                if new is None:
-                    continue
-                old = phys[r]
-                recent = cfg.recent_tokens(new, logical[r])
-                src_blocks = side.table[r:r + 1, : -(-old // bs)]
-                dst_blocks = side.table[r:r + 1, : -(-new // bs)]
-                src = side.slots(r, 0, old)[None]
-                if policy.window:
-                    kk = side.layout.gather_keys(side.kc, src_blocks)[:, :, :old]
-                    vv = side.layout.gather_values(side.vc, src_blocks)[:, :, :old]
-                    s = policy.scores(window_q[r][None].to(device), kk, vv, scale, recent)[0]
-                elif policy.needs_scores:
-                    s = side.scores[:, src[0].to(device)]
-                else:
-                    s = torch.zeros(h, old, device=device)
-                keep = policy.select(s, new, recent)[None]  # (1, H, new)
-                kept[r] = keep.cpu()
-                dst = side.slots(r, 0, dst_blocks.shape[1] * bs)[None]
-                from vllm_kvevict.core.kernel_dispatch import triton_module, use_triton
-                sc = side.scores if policy.needs_scores else None
-                if use_triton(side.kc, side.layout):  # as the worker does on CUDA
-                    triton_module("compaction").compact_in_place(side.kc, side.vc, sc, src, dst,
-                                                                 keep)
-                else:
-                    compact(side.layout, side.kc, side.vc, src_blocks, dst_blocks, keep)
-                    if sc is not None:
-                        move_scores(sc, src, dst[:, :new], keep)
-                phys[r] = new
-            resident = torch.cat([side.slots(r, 0, p) for r, p in enumerate(phys)])
-            snaps.append({"kept": kept, "phys": list(phys),
-                          "k": side.kc.reshape(-1, h, d)[resident].cpu(),
-                          "v": side.vc.reshape(-1, h, d)[resident].cpu(),
-                          "scores": side.scores[:, resident.to(device)].cpu()})
-    return snaps
+                b.side.write(r, starts[r], k_all[r, logical[r]][None], v_all[r, logical[r]][None])
+                b.window_q[r] = torch.cat([b.window_q[r], q[r][None]])[-cfg.window:]
+            b.score(q, [1] * num_req, starts)
+            b.phys = [p + 1 for p in b.phys]
+        logical = [n + 1 for n in logical]
+        for r in range(num_req):
+            new = compaction_target(cfg, dev.phys[r], logical[r], False, dev.bs)
+            if new is None:
+                continue
+            recent = cfg.recent_tokens(new, logical[r])
+            s_dev, s_cpu = dev.selection_scores(r, recent), cpu.selection_scores(r, recent)
+            finite = torch.isfinite(s_cpu)
+            res["selection_err"] = max(res["selection_err"], rel_err(
+                s_dev.cpu()[finite], s_cpu[finite]))
+            keep = policy.select(s_dev, new, recent)
+            mine = policy.select(s_cpu, new, recent)
+            overlap = min(len(set(a.tolist()) & set(b.tolist())) / new
+                          for a, b in zip(keep.cpu(), mine))
+            res["overlap_min"] = min(res["overlap_min"], overlap)
+            for b in both:
+                b.compact(r, keep.cpu())
+            res["compactions"] += 1
+        got, want = dev.resident(), cpu.resident()
+        res["same_cache"] &= torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        res["scores_err"] = max(res["scores_err"], rel_err(got[2], want[2]))
+    return res
 
 
 def batch_inputs(t: Target, dtype, steps: int):
@@ -163,26 +213,25 @@ def batch_inputs(t: Target, dtype, steps: int):
     return q, k, v, prompts
 
 
+# Kept-set overlap the device's choice must reach with the CPU's, per (request,
+# KV head), over every compaction. The paths are float32-accurate except AnDPro
+# in half precision: its kernel rounds P and y to the cache dtype for its two
+# products (the papers' own precision: model-dtype products), so tokens near
+# the cut may swap.
+OVERLAP = {"andpro": 0.9}
+
+
 def policy_check(t: Target, policy: str) -> dict:
     steps = 24 if t.dry else 60
     dtype = torch.float32 if t.dry else torch.bfloat16
     rec = {"check": f"{policy}: prefill + {steps} decode steps, 3 requests, budget {BUDGET}",
            "dtype": str(dtype).removeprefix("torch.")}
     try:
-        inputs = batch_inputs(t, dtype, steps)
-        dev_mode = "triton" if t.dry else "auto"
-        got = simulate(t, policy, dev_mode, t.device, inputs, steps)
-        want = simulate(t, policy, "torch", torch.device("cpu"), inputs, steps)
-        compactions = sum(len(s["kept"]) for s in want)
-        same_kept = all(a["kept"].keys() == b["kept"].keys()
-                        and all(torch.equal(a["kept"][r], b["kept"][r]) for r in a["kept"])
-                        for a, b in zip(got, want))
-        same_cache = all(a["phys"] == b["phys"] and torch.equal(a["k"], b["k"])
-                         and torch.equal(a["v"], b["v"]) for a, b in zip(got, want))
-        err = max(rel_err(a["scores"], b["scores"]) for a, b in zip(got, want))
-        rec.update(compactions=compactions, same_kept=same_kept, same_cache=same_cache,
-                   scores_err=err, scores_tol=SCORE_TOL,
-                   ok=same_kept and same_cache and err <= SCORE_TOL and compactions > 0)
+        rec.update(lockstep(t, policy, batch_inputs(t, dtype, steps), steps))
+        bound = OVERLAP.get(policy, 1.0) if dtype != torch.float32 else 1.0
+        rec.update(overlap_bound=bound, scores_tol=SCORE_TOL)
+        rec["ok"] = (rec["compactions"] > 0 and rec["same_cache"]
+                     and rec["overlap_min"] >= bound and rec["scores_err"] <= SCORE_TOL)
     except Exception as e:  # noqa: BLE001 - reported
         rec.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc(limit=6))
     return rec

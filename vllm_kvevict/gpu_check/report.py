@@ -73,14 +73,16 @@ def markdown(env: dict, results: dict, seconds: dict, total: float, argv) -> str
         lines += ["## The core on the device against the CPU", ""]
         lines += _table(results["core"], [
             ("check", "check"), ("dtype", "dtype"), ("compactions", "compactions"),
-            ("same kept sets", "same_kept"), ("same cache", "same_cache"),
-            ("scores err", "scores_err"), ("out err", "out_err"),
+            ("kept-set overlap (min)", "overlap_min"), ("bound", "overlap_bound"),
+            ("same cache", "same_cache"), ("selection scores err", "selection_err"),
+            ("H2O scores err", "scores_err"), ("out err", "out_err"),
             ("same selection", "same_selection"), ("ok", "ok")]) + [""]
     if "syncs" in results:
         lines += ["## Host-device syncs per launch", "",
                   "counter: `gpu_check/sync_counter.py` (the CPU tests' counter); torch: "
                   "`torch.cuda.set_sync_debug_mode` (GPU only).", ""]
-        rows = [dict(r, kinds=", ".join(f"{k} x{n}" for k, n in r.get("kinds", {}).items()))
+        rows = [dict(r, kinds=", ".join([f"{k} x{n}" for k, n in r.get("kinds", {}).items()]
+                                        + [f"torch: {w}" for w in r.get("torch_where", [])]))
                 for r in results["syncs"]]
         lines += _table(rows, [("launch path", "launch path"), ("inputs", "inputs"),
                                ("expected", "expected"), ("counter", "counter"),

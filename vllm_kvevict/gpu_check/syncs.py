@@ -16,10 +16,11 @@ from vllm_kvevict.gpu_check.cases import Target
 from vllm_kvevict.gpu_check.sync_counter import SyncCounter
 
 
-def torch_syncs(t: Target, fn) -> int | None:
-    """Synchronising CUDA calls of fn (torch.cuda.set_sync_debug_mode), or None off a GPU."""
+def torch_syncs(t: Target, fn) -> tuple[int | None, list[str]]:
+    """Synchronising CUDA calls of fn (torch.cuda.set_sync_debug_mode) and where
+    each was made (file:line), or (None, []) off a GPU."""
     if not t.gpu:
-        return None
+        return None, []
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -28,7 +29,8 @@ def torch_syncs(t: Target, fn) -> int | None:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in seen)
+    syncs = [w for w in seen if "synchroniz" in str(w.message)]
+    return len(syncs), [f"{w.filename.rsplit('/', 2)[-1]}:{w.lineno}" for w in syncs]
 
 
 def counted(t: Target, name: str, how: str, fn, seeds, expected: int) -> dict:
@@ -49,7 +51,7 @@ def counted(t: Target, name: str, how: str, fn, seeds, expected: int) -> dict:
                 InterpretedFunction.run = run
         rec["counter"] = len(c.events)
         rec["kinds"] = dict(Counter(k for k, _ in c.events))
-        rec["torch"] = torch_syncs(t, fn)
+        rec["torch"], rec["torch_where"] = torch_syncs(t, fn)
         rec["ok"] = rec["counter"] == expected and rec["torch"] in (None, expected)
     except Exception as e:  # noqa: BLE001 - reported
         rec.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc(limit=6))
