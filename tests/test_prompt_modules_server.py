@@ -192,7 +192,7 @@ def test_hostile_schemas_are_4xx_at_once(server, case):
     deep nesting a 500 (RecursionError); nothing was bounded before parsing."""
     pml, status, message = HOSTILE_SCHEMAS[case]
     r = hostile(server, lambda: post_schema(server, pml))
-    assert r.status_code == status and message in r.json()["error"]["message"], r.text
+    assert r.status_code == status and message in r.json()["error"]["message"], r.text[:500]
     names = [s["name"] for s in requests.get(server.url + "/v1/kvevict/schemas",
                                              timeout=10).json()["schemas"]]
     assert names == ["people"]
@@ -249,6 +249,47 @@ def test_a_salted_schema_is_the_tenants_alone(server):
         r = requests.delete(url + "/mine", params={"cache_salt": "tenant-a"}, timeout=30)
     assert r.status_code == 200 and r.json()["blocks_released"] == 4, r.text
     assert listed(cache_salt="tenant-a") == ["people"]
+
+
+def test_pml_work_runs_off_the_event_loop():
+    """Registration and a rendered PML prompt's expansion run on the renderer's
+    tokenizer thread, not the event loop's (no server: stand-ins record the
+    thread that reads them, then refuse, which ends the request)."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    import vllm_kvevict
+    from vllm_kvevict.integration import prompt_modules as pm
+
+    vllm_kvevict.register()
+    seen = []
+
+    class Config:
+        @property
+        def cache_config(self):
+            seen.append(threading.current_thread())
+            raise pm.PMLError("stop here")
+
+    executor = ThreadPoolExecutor(1)
+    processor = SimpleNamespace(renderer=SimpleNamespace(_executor=executor), vllm_config=Config())
+    engine = SimpleNamespace(input_processor=processor, vllm_config=Config())
+    prompt = {"type": "token", "prompt": '<prompt schema="s">hi</prompt>', "prompt_token_ids": []}
+
+    async def both():
+        with pytest.raises(VLLMValidationError, match="stop here"):
+            await AsyncLLM.add_request(engine, "r", prompt, SamplingParams())
+        with pytest.raises(pm.PMLError, match="stop here"):
+            await pm.register_schema_async(engine, "<schema/>")
+        return threading.current_thread()
+
+    loop_thread = asyncio.run(both())
+    (worker,) = executor._threads
+    assert seen == [worker, worker] and loop_thread is not worker
 
 
 def test_remove_returns_blocks_to_the_pool(server):
