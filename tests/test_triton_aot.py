@@ -73,6 +73,8 @@ def allowed_spill(r: dict) -> int:
     - paged attention, score-only variant, sm_90a: ptxas settles on 40 registers
       and spills 12 B (16 B stack); harmless, and the JIT's stride
       specialisation may well change it.
+    - paged attention with V (fused, attention) at D >= 96: up to 112 B, the
+      price of 128 keys per step, measured faster on an H100 than spill-free tiles.
     - window andpro at D = 256: y (ROWS x D_PAD fp32) and two dots per tile
       exceed 255 registers, ~250 B spilled. The kernel runs once per compaction
       (not per decode step); ROWS = 16 for D > 128 would be the fix.
@@ -80,6 +82,12 @@ def allowed_spill(r: dict) -> int:
     if r["kernel"] == "paged_attention_scores_kernel" and r["variant"].startswith("scores-") \
             and r["arch"] >= 90:
         return 16
+    if r["kernel"] == "paged_attention_scores_kernel" and int(r["variant"].split("-D")[1]) >= 96:
+        # 128 keys per step hold a 128 x D tile of K and of V: at D >= 96 with
+        # V (fused, attention) ptxas spills up to 112 B here. Measured on an
+        # H100 it is still the fastest choice (KEYS_PER_STEP's comment;
+        # results/gpu/): 16 keys per step spilled nothing and ran 1.2-2x slower.
+        return 128
     if r["kernel"] == "window_scores_kernel" and r["variant"].startswith("andpro-") \
             and r["variant"].endswith("-D256"):
         return 512
@@ -93,7 +101,7 @@ def _pow2(n: int) -> int:
 def cases(dtype: str, shapes=SHAPES) -> list[dict]:
     """Every (kernel, variant, shape) case of one cache dtype, as JSON-able dicts:
     module and kernel name, the signature (argument -> Triton type) and constexprs."""
-    from vllm_kvevict.triton_kernels import compaction, partial_attention, window
+    from vllm_kvevict.triton_kernels import compaction, paged_attention, partial_attention, window
 
     out = []
     head_dims = set()
@@ -115,7 +123,9 @@ def cases(dtype: str, shapes=SHAPES) -> list[dict]:
             add("paged_attention", "paged_attention_scores_kernel", f"{variant}-{shape}",
                 {**pa, "scale": "fp32"},
                 {"G": g, "D": d, "BS": BS, "G_PAD": max(16, _pow2(g)), "D_PAD": d_pad,
-                 "WRITE_OUT": write_out, "SCORE": score})
+                 "WRITE_OUT": write_out, "SCORE": score,
+                 # decode's launches: one query per request (no atomics)
+                 "ATOMIC": variant == "attention", "TILE": paged_attention.KEYS_PER_STEP})
         # compaction.compact_in_place: slots and keep as the worker passes them
         # (int64). It does not depend on G: once per head dim.
         for variant, with_scores in (("scores", True), ("kv-only", False)):

@@ -25,16 +25,17 @@ def paged_attention_scores_kernel(
     stride_st, stride_sk, stride_sg,  # scratch (T, H, G, L)
     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     G_PAD: tl.constexpr, D_PAD: tl.constexpr,
-    WRITE_OUT: tl.constexpr, SCORE: tl.constexpr,
+    WRITE_OUT: tl.constexpr, SCORE: tl.constexpr, ATOMIC: tl.constexpr = True,
+    TILE: tl.constexpr = 16,
 ):
-    tl.static_assert(G_PAD >= 16 and G_PAD >= G and D_PAD >= 16 and D_PAD >= D and BS >= 16)
+    tl.static_assert(G_PAD >= 16 and G_PAD >= G and D_PAD >= 16 and D_PAD >= D and TILE >= 16)
     t = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(row_ptr + t)
     n = tl.load(vis_ptr + t)  # keys this query sees: physical positions [0, n)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
-    i = tl.arange(0, BS)
+    i = tl.arange(0, TILE)  # keys per step of either walk, across block boundaries
     gmask = g < G
     dmask = d < D
     q = tl.load(q_ptr + t * stride_qt + (h * G + g)[:, None] * stride_qh + d[None, :],
@@ -42,27 +43,29 @@ def paged_attention_scores_kernel(
     m = tl.full((G_PAD,), float("-inf"), tl.float32)
     l = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, D_PAD), tl.float32)
-    for j in range(0, tl.cdiv(n, BS)):
-        blk = tl.load(bt_ptr + row * stride_bt + j).to(tl.int64)
-        pos = j * BS + i
+    for j in range(0, tl.cdiv(n, TILE)):
+        pos = j * TILE + i
         seen = pos < n
+        # Each key's block, looked up per key: a tile may span several blocks.
+        blk = tl.load(bt_ptr + row * stride_bt + pos // BS, mask=seen, other=0).to(tl.int64)
+        off = pos % BS
         kv_mask = seen[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + blk * stride_kb + i[:, None] * stride_kn + h * stride_kh + d[None, :],
-                    mask=kv_mask, other=0.0)
+        k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_kn + h * stride_kh
+                    + d[None, :], mask=kv_mask, other=0.0)
         # Native-dtype dot with fp32 accumulation, as FlashAttention does;
         # "ieee" only matters for fp32 caches (no TF32 rounding).
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (G_PAD, BS)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (G_PAD, TILE)
         s = tl.where(seen[None, :], s, float("-inf"))
         if SCORE:
             tl.store(s_ptr + t * stride_st + h * stride_sk + g[:, None] * stride_sg + pos[None, :],
-                     s, mask=gmask[:, None])
+                     s, mask=gmask[:, None] & seen[None, :])
         if WRITE_OUT:
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             l = l * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + blk * stride_vb + i[:, None] * stride_vn + h * stride_vh + d[None, :],
-                        mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vn
+                        + h * stride_vh + d[None, :], mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             m = m_new
         else:  # scores only: the softmax statistics, no V
@@ -79,12 +82,16 @@ def paged_attention_scores_kernel(
         w = tl.load(w_ptr + t)  # 0: this query's attention is not scored
         inv = tl.where(gmask & (l > 0), 1.0 / tl.where(l > 0, l, 1.0), 0.0) * w
         m_safe = tl.where(gmask, m, 0.0)
-        for j in range(0, tl.cdiv(n, BS)):
-            blk = tl.load(bt_ptr + row * stride_bt + j).to(tl.int64)
-            pos = j * BS + i
+        for j in range(0, tl.cdiv(n, TILE)):
+            pos = j * TILE + i
             seen = pos < n
+            blk = tl.load(bt_ptr + row * stride_bt + pos // BS, mask=seen, other=0).to(tl.int64)
             s = tl.load(s_ptr + t * stride_st + h * stride_sk + g[:, None] * stride_sg + pos[None, :],
-                        mask=gmask[:, None], other=float("-inf"))
+                        mask=gmask[:, None] & seen[None, :], other=float("-inf"))
             p = tl.exp(s - m_safe[:, None]) * inv[:, None]
             p = tl.where(gmask[:, None] & seen[None, :], p, 0.0)
-            tl.atomic_add(scores_ptr + h * stride_sh + blk * BS + i, tl.sum(p, axis=0), mask=seen)
+            ptr = scores_ptr + h * stride_sh + blk * BS + pos % BS
+            if ATOMIC:  # another query of the same request may add to these slots
+                tl.atomic_add(ptr, tl.sum(p, axis=0), mask=seen)
+            else:  # the caller promises one query per request: a plain read-modify-write
+                tl.store(ptr, tl.load(ptr, mask=seen) + tl.sum(p, axis=0), mask=seen)

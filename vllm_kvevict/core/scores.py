@@ -177,7 +177,10 @@ def accumulate_scores(scores: torch.Tensor, layout, key_cache: torch.Tensor,
             triton_module("paged_attention").paged_attention_scores(
                 query[upload(qsl[fused], dev)], key_cache, key_cache, block_table,
                 upload(fused, dev), upload(seq[fused], dev), scale, scores=scores,
-                write_out=False, max_visible=int(seq[fused].max()))
+                write_out=False, max_visible=int(seq[fused].max()),
+                # One query per request, and rows with shared blocks (private
+                # scores) are not among them: no two programs add to one slot.
+                unique_rows=True)
             rows = rows[has_private[rows]]
         if rows.numel():
             nblk = -(-int(seq[rows].max()) // layout.block_size)

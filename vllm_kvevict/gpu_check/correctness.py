@@ -100,7 +100,8 @@ def dense_paged_ref(q, kc, vc, table, rows, visible, scale, weight=None, chunk=8
     return out, delta
 
 
-def paged_case(t: Target, dtype, gqa, bs, d, lengths, write_out=True, dense=False, h=2):
+def paged_case(t: Target, dtype, gqa, bs, d, lengths, write_out=True, dense=False, h=2,
+               unique_rows=False, keys_per_step=None):
     pa = kernel("paged_attention")
     kc, vc, table, rows, visible, q = paged_inputs(t, dtype, gqa, bs, d, lengths, h=h)
     scale = d ** -0.5
@@ -112,7 +113,8 @@ def paged_case(t: Target, dtype, gqa, bs, d, lengths, write_out=True, dense=Fals
     out = torch.full_like(q, math.nan)
     pa.paged_attention_scores(q, kc, vc, table, rows, visible, scale, scores=scores,
                               score_weight=weight, out=out if write_out else None,
-                              write_out=write_out, max_visible=max(lengths))
+                              write_out=write_out, max_visible=max(lengths),
+                              unique_rows=unique_rows, keys_per_step=keys_per_step)
     if dense:
         ref_out, ref_delta = dense_paged_ref(q, kc, vc, table, rows, visible, scale, weight)
     else:
@@ -149,11 +151,24 @@ def paged_checks(t: Target) -> list[dict]:
                 name = "paged attention + scores" if write_out else "paged scores only"
                 recs.append(record(name, f"GQA {gqa}, BS {bs}, D {d}", dtype,
                                    lambda: paged_case(t, dtype, gqa, bs, d, lengths, write_out)))
+    recs.append(record("paged attention + scores, unique rows (no atomics)", "GQA 3, BS 16, D 64",
+                       t.dtypes[-1], lambda: paged_case(t, t.dtypes[-1], 3, 16, 64,
+                                                        [0, 1, 15, 16, 37, 77], unique_rows=True)))
+    for keys in (16, 32, 64):  # keys per step (default 128) across block boundaries
+        for bs in (16, 128):
+            recs.append(record(f"paged attention + scores, {keys} keys per step",
+                               f"GQA 3, BS {bs}, D 64", t.dtypes[-1],
+                               lambda: paged_case(t, t.dtypes[-1], 3, bs, 64,
+                                                  [0, 1, bs - 1, bs, 2 * bs + 5, 77, 300],
+                                                  keys_per_step=keys)))
     s = cases.big(t)
-    recs.append(record(
-        "paged attention + scores", shape_name(t, "decode"), s["dtype"],
-        lambda: paged_case(t, s["dtype"], s["group"], s["block"], s["head_size"],
-                           [s["ctx"]] * s["batch"], dense=True, h=s["heads"])))
+    for unique in (False, True):
+        recs.append(record(
+            "paged attention + scores" + (", unique rows (no atomics)" if unique else ""),
+            shape_name(t, "decode"), s["dtype"],
+            lambda: paged_case(t, s["dtype"], s["group"], s["block"], s["head_size"],
+                               [s["ctx"]] * s["batch"], dense=True, h=s["heads"],
+                               unique_rows=unique)))
     return recs
 
 

@@ -69,7 +69,22 @@ def decode_rows(t: Target, s: dict, dtype, label: str) -> list[dict]:
     fused = row(t, "decode attention + H2O scores (fused)", shape,
                 lambda: pa(q, kc, vc, table, rows, vis, scale, scores=scores, out=out,
                            max_visible=ctx), kv_bytes + score_bytes)
-    fused["note"] = f"{(fused['ms'] / attn['ms'] - 1) * 100:+.1f}% over attention only"
+    fused["note"] = f"{(fused['ms'] / attn['ms'] - 1) * 100:+.1f}% over attention only (atomic adds)"
+    unique = row(t, "decode attention + H2O scores (fused), unique rows: no atomics", shape,
+                 lambda: pa(q, kc, vc, table, rows, vis, scale, scores=scores, out=out,
+                            max_visible=ctx, unique_rows=True), kv_bytes + score_bytes)
+    unique["note"] = f"{(unique['ms'] / attn['ms'] - 1) * 100:+.1f}% over attention only"
+    steps = []
+    for keys in (16, 32, 64):  # keys per step of the walk, against KEYS_PER_STEP (128)
+        a = row(t, f"decode attention only, {keys} keys per step", shape,
+                lambda: pa(q, kc, vc, table, rows, vis, scale, out=out, max_visible=ctx,
+                           keys_per_step=keys), kv_bytes)
+        f = row(t, f"decode attention + H2O scores (fused), unique rows, {keys} keys per step",
+                shape, lambda: pa(q, kc, vc, table, rows, vis, scale, scores=scores, out=out,
+                                  max_visible=ctx, unique_rows=True, keys_per_step=keys),
+                kv_bytes + score_bytes)
+        f["note"] = f"{(f['ms'] / a['ms'] - 1) * 100:+.1f}% over attention only at {keys}"
+        steps += [a, f]
     if "layers" in s:
         fused["note"] += f"; x{s['layers']} layers = {fused['ms'] * s['layers']:.2f} ms per step"
     only = row(t, "decode H2O scores only (K, no V)", shape,
@@ -84,7 +99,8 @@ def decode_rows(t: Target, s: dict, dtype, label: str) -> list[dict]:
     dense = row(t, "torch SDPA, dense unpaged K/V (no scores)", shape,
                 lambda: sdpa(qd, kd, vd, scale=scale, enable_gqa=g > 1), kv_bytes)
     fused["note"] += f"; {fused['ms'] / dense['ms']:.2f}x torch SDPA's time"
-    return [attn, fused, only, dense]
+    unique["note"] += f"; {unique['ms'] / dense['ms']:.2f}x torch SDPA's time"
+    return [attn, fused, unique, *steps, only, dense]
 
 
 def window_rows(t: Target, s: dict) -> list[dict]:

@@ -174,5 +174,6 @@ def fused_decode(impl, layer, query, kv_cache, attn_metadata, output, make_layou
         query[:n], key_cache, value_cache, attn_metadata.block_table,
         torch.arange(n, device=query.device), attn_metadata.seq_lens[:n], impl.scale,
         scores=lc.scores, score_weight=weight, out=output[:n].view(n, *query.shape[1:]),
-        max_visible=attn_metadata.max_seq_len)
+        max_visible=attn_metadata.max_seq_len,
+        unique_rows=True)  # one query per request, no private (shared) rows: no atomics
     return True
