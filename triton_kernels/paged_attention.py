@@ -20,8 +20,9 @@ from .jit.paged_attention import paged_attention_scores_kernel
 _SCRATCH_ELEMENTS = 1 << 25
 # Keys per step of each program's walk. 128 against 16 (one block, as before),
 # H100, batch 32 x 4,096 tokens, fused with unique rows: Llama-2-13B's 40
-# heads 1.61 -> 1.34 ms, Llama-3-8B's GQA 4 0.62 -> 0.30 ms; attention alone
-# 1.06 -> 1.12 and 0.34 -> 0.20 ms (results/gpu/, gpu_check's timing section).
+# heads 1.61 -> 1.35 ms, Llama-3-8B's GQA 4 0.62 -> 0.27 ms; attention alone
+# 1.06 -> 1.11 and 0.34 -> 0.20 ms (results/gpu/2026-11-26-h100.md). Costs a
+# few register spills at D >= 96 (tests/test_triton_aot.py).
 KEYS_PER_STEP = 128
 
 

@@ -1,12 +1,16 @@
 """Paged attention over the NHD cache that also emits H2O scores, in one pass over K and V.
 
-One program per (query token t, KV head h). It walks the request's blocks once:
+One program per (query token t, KV head h). It walks the request's keys once,
+TILE keys per step (each key's block looked up in the block table, so a step
+may span blocks):
   pass 1  s = q_g . k_i * scale for the G query heads of h (online softmax, out = P V),
           and parks the raw logits s in a scratch row (G x 4 bytes per key);
   pass 2  re-reads only the scratch (not K): p_g(i) = exp(s_g(i) - m_g) / l_g,
           adds sum_g p_g(i) to scores[h, slot(i)].
 So scoring costs G x 8 + 8 bytes per (key, KV head) on top of attention's 2 x D x
-elem bytes of K and V, instead of a second read of K.
+elem bytes of K and V, instead of a second read of K. ATOMIC: the score adds
+are atomic unless the caller promises no two programs share a slot (one
+query per request): plain adds took a third off the scoring overhead on an H100.
 """
 import triton
 import triton.language as tl
