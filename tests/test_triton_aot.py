@@ -82,7 +82,8 @@ def allowed_spill(r: dict) -> int:
     if r["kernel"] == "paged_attention_scores_kernel" and r["variant"].startswith("scores-") \
             and r["arch"] >= 90:
         return 16
-    if r["kernel"] == "paged_attention_scores_kernel" and int(r["variant"].split("-D")[1]) >= 96:
+    if r["kernel"] == "paged_attention_scores_kernel" \
+            and 96 <= int(r["variant"].split("-D")[1]) <= 128:
         # 128 keys per step hold a 128 x D tile of K and of V: at D >= 96 with
         # V (fused, attention) ptxas spills up to 112 B here. Measured on an
         # H100 it is still the fastest choice (KEYS_PER_STEP's comment;
@@ -125,7 +126,7 @@ def cases(dtype: str, shapes=SHAPES) -> list[dict]:
                 {"G": g, "D": d, "BS": BS, "G_PAD": max(16, _pow2(g)), "D_PAD": d_pad,
                  "WRITE_OUT": write_out, "SCORE": score,
                  # decode's launches: one query per request (no atomics)
-                 "ATOMIC": variant == "attention", "TILE": paged_attention.KEYS_PER_STEP})
+                 "ATOMIC": variant == "attention", "TILE": paged_attention.keys_per_step_for(d)})
         # compaction.compact_in_place: slots and keep as the worker passes them
         # (int64). It does not depend on G: once per head dim.
         for variant, with_scores in (("scores", True), ("kv-only", False)):

@@ -24,6 +24,14 @@ _SCRATCH_ELEMENTS = 1 << 25
 # 1.06 -> 1.11 and 0.34 -> 0.20 ms (results/gpu/2026-11-26-h100.md). Costs a
 # few register spills at D >= 96 (tests/test_triton_aot.py).
 KEYS_PER_STEP = 128
+# Head sizes over 128 keep the one-block step of before (16 keys): with a
+# 256-wide K and V tile, 128 keys spilled over 1 KB of registers and 64 keys
+# 5 KB on sm_80 (ptxas, tests/test_triton_aot.py -m slow); 16 spill nothing,
+# and no GPU has timed D = 256 yet.
+
+
+def keys_per_step_for(head_size: int) -> int:
+    return KEYS_PER_STEP if head_size <= 128 else 16
 
 
 def paged_attention_scores(query: torch.Tensor, key_cache: torch.Tensor,
@@ -54,7 +62,7 @@ def paged_attention_scores(query: torch.Tensor, key_cache: torch.Tensor,
                   private rows elsewhere), so no two programs add to one slot
                   and the score adds need no atomics
     keys_per_step: keys each program takes per step of its walk (a power of
-                  two >= 16, across block boundaries); None: KEYS_PER_STEP
+                  two >= 16, across block boundaries); None: keys_per_step_for(D)
     returns out (or None when write_out is False)
     """
     float_tensor("query", query, 3)
@@ -69,7 +77,7 @@ def paged_attention_scores(query: torch.Tensor, key_cache: torch.Tensor,
     expect(query.dtype == key_cache.dtype == value_cache.dtype,
            f"dtypes differ: query {query.dtype}, K {key_cache.dtype}, V {value_cache.dtype}")
     pow2_at_least_16("block size", bs)
-    keys = KEYS_PER_STEP if keys_per_step is None else keys_per_step
+    keys = keys_per_step_for(query.shape[-1]) if keys_per_step is None else keys_per_step
     pow2_at_least_16("keys_per_step", keys)
     expect(scores is not None or write_out, "nothing to compute: no scores and write_out=False")
     same_device(query, key_cache, value_cache)
