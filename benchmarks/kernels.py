@@ -17,7 +17,6 @@ Peak = the better of the card's datasheet figure and a measured device copy.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -29,21 +28,12 @@ DATASHEET_GBS = {"H100 80GB HBM3": 3350, "H100 PCIe": 2000, "H200": 4800, "A100"
 
 
 def load_kernels():
-    """`vllm_kvevict.triton_kernels` whether installed or run from a bare checkout
-    (the GPU machine has no vLLM and no install of ours)."""
+    """The launcher modules, installed or from a bare checkout (the GPU machine
+    has no vLLM and no install of ours): `vllm_kvevict.gpu_check.kernel`."""
     sys.path.insert(0, str(ROOT))
-    try:
-        import vllm_kvevict.triton_kernels as tk  # installed: pyproject maps the folder
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(
-            "vllm_kvevict.triton_kernels", ROOT / "triton_kernels" / "__init__.py",
-            submodule_search_locations=[str(ROOT / "triton_kernels")])
-        tk = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = tk
-        spec.loader.exec_module(tk)
-    import importlib as il
-    return {n: il.import_module(f"vllm_kvevict.triton_kernels.{n}")
-            for n in ("paged_attention", "window", "compaction", "partial_attention")}
+    from vllm_kvevict.gpu_check import kernel
+
+    return {n: kernel(n) for n in ("paged_attention", "window", "compaction", "partial_attention")}
 
 
 def bench(fn, device, reps):
