@@ -67,8 +67,8 @@ class Side:
         s = self.slots(r, start, k.shape[0])
         h = k.shape[1]
         blk = (s // self.bs).expand(h, -1)
-        self.layout.write_tokens(self.kc, self.vc, blk, (s % self.bs).expand(h, -1),
-                                 k.transpose(0, 1).to(self.device), v.transpose(0, 1).to(self.device))
+        k, v = (x.transpose(0, 1).to(self.device) for x in (k, v))
+        self.layout.write_tokens(self.kc, self.vc, blk, (s % self.bs).expand(h, -1), k, v)
 
 
 class Batch:
@@ -246,13 +246,12 @@ def offload_check(t: Target) -> dict:
     try:
         gen = torch.Generator().manual_seed(12)
         r, h, g, s, n, d, c, kk = 3, 2, 3, 40, 64, 32, 10, 8
-        x = {"qp": torch.randn(r, h * g, c, generator=gen), "kp_res": torch.randn(r, h, s, c, generator=gen),
-             "kp_host": torch.randn(r, h, n, c, generator=gen), "q": torch.randn(r, h * g, d, generator=gen),
-             "k_res": torch.randn(r, h, s, d, generator=gen), "v_res": torch.randn(r, h, s, d, generator=gen),
-             "k_host": torch.randn(r, h * g, kk, d, generator=gen),
-             "v_host": torch.randn(r, h * g, kk, d, generator=gen),
-             "mask": torch.rand(r, h * g, kk, generator=gen) > 0.3,
-             "res_len": torch.tensor([s, 7, 1]), "cap": torch.tensor([16, 4, 64])}
+        shapes = {"qp": (r, h * g, c), "kp_res": (r, h, s, c), "kp_host": (r, h, n, c),
+                  "q": (r, h * g, d), "k_res": (r, h, s, d), "v_res": (r, h, s, d),
+                  "k_host": (r, h * g, kk, d), "v_host": (r, h * g, kk, d)}
+        x = {key: torch.randn(shape, generator=gen) for key, shape in shapes.items()}
+        x.update(mask=torch.rand(r, h * g, kk, generator=gen) > 0.3,
+                 res_len=torch.tensor([s, 7, 1]), cap=torch.tensor([16, 4, 64]))
 
         def run(dev):
             y = {key: val.to(dev) for key, val in x.items()}

@@ -63,13 +63,15 @@ def decode_rows(t: Target, s: dict, dtype, label: str) -> list[dict]:
     scale = d ** -0.5
     kv_bytes = 2 * b * ctx * h * d * kc.element_size()
     score_bytes = b * ctx * h * (8 * g + 8)
-    shape = f"{label}: B {b}, ctx {ctx}, H {h}, G {g}, D {d}, BS {bs}, {dtype}".replace("torch.", "")
+    shape = f"{label}: B {b}, ctx {ctx}, H {h}, G {g}, D {d}, BS {bs}, " \
+        + str(dtype).removeprefix("torch.")
     attn = row(t, "decode attention only", shape,
                lambda: pa(q, kc, vc, table, rows, vis, scale, out=out, max_visible=ctx), kv_bytes)
     fused = row(t, "decode attention + H2O scores (fused)", shape,
                 lambda: pa(q, kc, vc, table, rows, vis, scale, scores=scores, out=out,
                            max_visible=ctx), kv_bytes + score_bytes)
-    fused["note"] = f"{(fused['ms'] / attn['ms'] - 1) * 100:+.1f}% over attention only (atomic adds)"
+    over = (fused["ms"] / attn["ms"] - 1) * 100
+    fused["note"] = f"{over:+.1f}% over attention only (atomic adds)"
     unique = row(t, "decode attention + H2O scores (fused), unique rows: no atomics", shape,
                  lambda: pa(q, kc, vc, table, rows, vis, scale, scores=scores, out=out,
                             max_visible=ctx, unique_rows=True), kv_bytes + score_bytes)
