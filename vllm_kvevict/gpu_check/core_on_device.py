@@ -157,7 +157,7 @@ def lockstep(t: Target, policy_name: str, inputs, steps: int) -> dict:
 
     q_all, k_all, v_all, prompts = inputs
     num_req = q_all.shape[0]
-    cfg = EvictionConfig.from_dict({"kv_eviction": policy_name, "kv_budget": BUDGET})
+    cfg = EvictionConfig(policy=policy_name, budget=BUDGET)
     policy = make_policy(cfg.policy, cfg.sink, cfg.window)
     dev = Batch(t.device, "triton" if t.dry else "auto", policy, cfg, inputs, steps)
     cpu = Batch("cpu", "torch", policy, cfg, inputs, steps)
