@@ -193,14 +193,16 @@ _GROUP_OF = {f: g for g, files in GROUPS.items() for f in files}
 # Seconds per group, measured (default tier, two xdist workers, 2 cores,
 # 2026-11-26: `pytest -q --durations=0`, summed per group): the heaviest start
 # first, so the workers end together. A group not listed counts as 0 and fills
-# in at the end.
+# in at the end. test_gpu_check.py was added later: 28 s on a machine that ran
+# the rest 1.4-1.8x slower, so 17 on this scale.
 GROUP_SECONDS = {"h2o_server": 236, "tensor_parallel": 216, "calibrated": 140,
                  "test_engine.py": 100, "test_eval_smoke.py": 56,
                  "test_window_reference.py": 51, "test_infinigen_dense.py": 36,
                  "test_h2o_reference.py": 36, "test_prompt_modules_security.py": 33,
                  "test_prompt_modules_server.py": 26, "test_prompt_modules_engines.py": 25,
                  "test_request_budget.py": 25, "test_prompt_modules_quality.py": 25,
-                 "test_prompt_modules_server_limits.py": 23, "test_triton_aot.py": 10,
+                 "test_prompt_modules_server_limits.py": 23, "test_gpu_check.py": 17,
+                 "test_triton_aot.py": 10,
                  "test_prompt_modules.py": 10, "test_triton_kernels.py": 7,
                  "test_skewing.py": 2, "test_import_graph.py": 2}
 
