@@ -124,14 +124,19 @@ class ModuleLimits:
 
 
 
+def _count(raw: dict[str, Any], key: str, default: int, least: int, what: str) -> int:
+    """An integer setting >= least: an int, or a string of plain digits."""
+    value = raw.get(key, default)
+    if isinstance(value, str) and _digits(value) is not None:
+        value = _digits(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise EvictionConfigError(f"{_flag(key)} must be {what} >= {least}, got {value!r}")
+    return value
+
+
 def _module_limits(raw: dict[str, Any]) -> ModuleLimits:
     """Parse `kv_max_schemas` / `kv_max_pinned` of `additional_config`."""
-    count = raw.get("kv_max_schemas", ModuleLimits.max_schemas)
-    if isinstance(count, str) and _digits(count) is not None:
-        count = _digits(count)
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise EvictionConfigError(
-            f"{_flag('kv_max_schemas')} must be a schema count >= 0, got {count!r}")
+    count = _count(raw, "kv_max_schemas", ModuleLimits.max_schemas, 0, "a schema count")
     share = raw.get("kv_max_pinned", ModuleLimits.max_pinned)
     try:
         share = _number("kv_max_pinned", share)
@@ -143,12 +148,7 @@ def _module_limits(raw: dict[str, Any]) -> ModuleLimits:
             f"(0.5 or 50%), got {share!r}") from None
     size = raw.get("kv_max_pml_bytes", ModuleLimits.max_pml_bytes)
     size = parse_bytes("kv_max_pml_bytes", size)
-    modules = raw.get("kv_max_modules", ModuleLimits.max_modules)
-    if isinstance(modules, str) and _digits(modules) is not None:
-        modules = _digits(modules)
-    if isinstance(modules, bool) or not isinstance(modules, int) or modules < 1:
-        raise EvictionConfigError(
-            f"{_flag('kv_max_modules')} must be an element count >= 1, got {modules!r}")
+    modules = _count(raw, "kv_max_modules", ModuleLimits.max_modules, 1, "an element count")
     return ModuleLimits(max_schemas=count, max_pinned=float(share), max_pml_bytes=size,
                         max_modules=modules)
 
