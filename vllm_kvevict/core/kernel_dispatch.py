@@ -1,13 +1,15 @@
-"""The one place that chooses where the hot paths run: Triton on CUDA, torch elsewhere.
+"""The one place that chooses where the hot paths run: Triton on CUDA, the
+compiled CPU kernel on CPU, torch where neither applies.
 
     VLLM_KVEVICT_KERNELS = auto (default) | triton | torch
 
   auto    Triton kernels (`vllm_kvevict.triton_kernels`) for CUDA tensors when
-          Triton imports; the plain-torch paths otherwise (the CPU backend's
-          cache is ISA-packed, which the kernels do not read).
-  triton  the kernels wherever the data allows, CUDA or not: tests run them on
-          CPU tensors with TRITON_INTERPRET=1.
-  torch   never the kernels (to compare, or to rule them out).
+          Triton imports; the compiled CPU kernel (`vllm_kvevict.cpu_kernel`)
+          for the CPU backend's ISA-packed cache when it is built; the
+          plain-torch paths otherwise.
+  triton  the Triton kernels wherever the data allows, CUDA or not: tests run
+          them on CPU tensors with TRITON_INTERPRET=1 (the CPU kernel as in auto).
+  torch   never a kernel (to compare, or to rule them out).
 
 The paged kernels read the FlashAttention cache (`NHDLayout`) only; the window
 and partial-attention kernels take dense tensors.
@@ -51,6 +53,25 @@ def use_triton(x: torch.Tensor, layout=None) -> bool:
                 or layout.block_size & (layout.block_size - 1):
             return False  # the kernels tile one block of a power-of-two size
     return m == "triton" or x.is_cuda
+
+
+def cpu_kernel_isa(queries: torch.Tensor, key_cache: torch.Tensor, layout) -> str | None:
+    """The compiled CPU kernel's instruction path for scoring these queries
+    against this paged CPU cache, or None (the torch path runs).
+
+    The bf16 path needs bf16 queries and keys; other dtypes take the float32
+    (avx2) path, which any AVX2 CPU runs."""
+    from vllm_kvevict.core.cpu_layout import KVLayout
+
+    if (mode() == "torch" or key_cache.device.type != "cpu" or not isinstance(layout, KVLayout)
+            or layout.k_tiles is None or layout.block_size % 16 or layout.head_size % 2):
+        return None
+    from vllm_kvevict import cpu_kernel
+
+    isa = cpu_kernel.isa()
+    if isa == "avx512bf16" and not (queries.dtype == key_cache.dtype == torch.bfloat16):
+        isa = "avx2" if cpu_kernel.module().supports("avx2") else None
+    return isa
 
 
 def triton_module(name: str):

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from vllm_kvevict.core.cpu_layout import token_slots
-from vllm_kvevict.core.kernel_dispatch import triton_module, upload, use_triton
+from vllm_kvevict.core.kernel_dispatch import cpu_kernel_isa, triton_module, upload, use_triton
 
 # Bound the (R, H, T*G, keys) float32 logits of one tile to about 8 MB: the
 # passes over a tile (mask, softmax, the weighted column sum) then run in cache
@@ -71,14 +71,20 @@ def score_queries(scores: torch.Tensor, layout, key_cache: torch.Tensor,
     visible = visible.long().cpu()  # the masks below are decided on the host
     block_rows = upload(block_rows, dev)
     m = block_rows.shape[1] * bs
-    # Rows in groups whose keys and logits fit in cache (_GROUP_ELEMENTS), so
-    # each group's keys are read from cache.
-    per_row = hq * nq * m
-    rows = max(1, min(r, _GROUP_ELEMENTS // max(1, per_row)))
-    acc = torch.cat([
-        _column_sums(layout, key_cache, queries[r0:r0 + rows], visible[r0:r0 + rows],
-                     block_rows[r0:r0 + rows], scale)
-        for r0 in range(0, r, rows)])  # (R, H, M)
+    isa = cpu_kernel_isa(queries, key_cache, layout)
+    if isa is not None:  # the compiled kernel reads the paged cache itself
+        from vllm_kvevict import cpu_kernel
+
+        acc = cpu_kernel.column_sums(layout, key_cache, queries, visible, block_rows, scale, isa)
+    else:
+        # Rows in groups whose keys and logits fit in cache (_GROUP_ELEMENTS), so
+        # each group's keys are read from cache.
+        per_row = hq * nq * m
+        rows = max(1, min(r, _GROUP_ELEMENTS // max(1, per_row)))
+        acc = torch.cat([
+            _column_sums(layout, key_cache, queries[r0:r0 + rows], visible[r0:r0 + rows],
+                         block_rows[r0:r0 + rows], scale)
+            for r0 in range(0, r, rows)])  # (R, H, M)
     # The (row, key) pairs some query reaches, listed on the host: indexing with
     # a boolean mask on the GPU would read its count back.
     reach = torch.arange(m)[None, :] < visible.max(dim=1).values[:, None]  # (R, M) host

@@ -1,0 +1,200 @@
+"""The compiled CPU scoring kernel (vllm_kvevict/cpu_kernel) against float64
+references written from H2O's definition, on both instruction paths.
+
+Every machine runs both paths where its CPU has them: the avx2 path (forced in
+production by VLLM_KVEVICT_CPU_ISA=avx2) runs on any x86 CI machine, and the
+avx512bf16 one wherever the CPU has AVX-512 BF16 (it is skipped, saying so,
+only on a CPU without it). Layouts are built by hand from KVLayout's tile map,
+so vLLM's amx, vec and an odd tiling are all read whatever this CPU's writer is.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vllm_kvevict import cpu_kernel
+from vllm_kvevict.core import scores
+from vllm_kvevict.core.cpu_layout import KVLayout, split_kv_cache
+from vllm_kvevict.core.kernel_dispatch import cpu_kernel_isa
+
+# (T0, D0, base, st1, st0, sd1, sd0) per layout, as KVLayout._fit_tiles finds them.
+TILES = {
+    "amx": lambda bs, d: (16, 2, 0, 16 * d, 2, 32, 1),  # [BS/16][D/2][16][2]
+    "vec": lambda bs, d: (bs, d, 0, 0, 1, 0, bs),       # [D][BS]
+    "odd": lambda bs, d: (8, 4, 0, 8 * d, 4, 32, 1),    # [BS/8][D/4][8][4]
+    "plain": lambda bs, d: (bs, d, 0, 0, d, 0, 1),      # [BS][D]
+}
+NB = 40
+
+
+def _isas():
+    mod = cpu_kernel.module()
+    out = []
+    for isa in cpu_kernel.ISAS:
+        reason = ("the kernel is not built (scripts/setup.sh builds it)" if mod is None
+                  else None if mod.supports(isa) else f"this CPU lacks {isa}")
+        out.append(pytest.param(isa, marks=pytest.mark.skipif(reason is not None, reason=reason or "")))
+    return out
+
+
+def _layout(kind, dtype, bs, d, h):
+    tiles = TILES[kind](bs, d)
+    dummy = torch.zeros(h, bs, d, dtype=torch.long)
+    return KVLayout(kind, dtype, bs, d, h, dummy, dummy, tiles, tiles)
+
+
+def _cache(kind, dtype, bs, d, h, gen):
+    """A paged cache in `kind`'s layout with random keys, and its dense keys
+    (NB * BS, H, D) float64."""
+    layout = _layout(kind, dtype, bs, d, h)
+    kv = torch.full((NB, h, bs, 2 * d), float("nan"), dtype=dtype)  # unwritten = NaN
+    kc, vc = split_kv_cache(kv)
+    keys = torch.randn(h, NB * bs, d, generator=gen).to(dtype)
+    slots = torch.arange(NB * bs).expand(h, -1)
+    layout.write_tokens(kc, vc, slots // bs, slots % bs, keys, keys)
+    return layout, kc, keys.transpose(0, 1).double()
+
+
+def _reference(keys, queries, visible, rows, scale, bs):
+    """(R, H, M) float64: each query's softmax over its visible keys, summed."""
+    r, nq, hq, d = queries.shape
+    h = keys.shape[1]
+    out = torch.zeros(r, h, rows.shape[1] * bs, dtype=torch.float64)
+    for i in range(r):
+        slots = (rows[i][:, None] * bs + torch.arange(bs)).flatten()
+        for t in range(nq):
+            v = int(visible[i, t])
+            if v:
+                q = queries[i, t].double().view(h, hq // h, d)
+                p = (torch.einsum("hgd,vhd->hgv", q, keys[slots[:v]]) * scale).softmax(-1)
+                out[i, :, :v] += p.sum(1)
+    return out
+
+
+# The avx512bf16 path takes bf16 caches only (the dispatcher sends others to avx2).
+LAYOUTS = {"avx512bf16": [("amx", torch.bfloat16), ("vec", torch.bfloat16), ("odd", torch.bfloat16)],
+           "avx2": [("amx", torch.bfloat16), ("vec", torch.float32), ("plain", torch.float16)]}
+
+
+@pytest.mark.parametrize("isa,kind,dtype", [pytest.param(p.values[0], *c, marks=p.marks)
+                                            for p in _isas() for c in LAYOUTS[p.values[0]]])
+@pytest.mark.parametrize("h,g,d,bs", [(3, 3, 64, 32), (2, 7, 128, 16), (1, 1, 32, 128)])
+def test_column_sums_match_float64(isa, kind, dtype, h, g, d, bs):
+    """Ragged rows, padding queries (visible 0), causal and decode-like
+    horizons, GQA 1-7, head sizes 32-128, blocks 16-128; unwritten cache
+    slots hold NaN and must not leak in. bf16 on the avx512bf16 path and
+    every dtype on avx2 are float32-accurate: 2e-6 relative to float64."""
+    gen = torch.Generator().manual_seed(h * 100 + g * 10 + d)
+    layout, kc, keys = _cache(kind, dtype, bs, d, h, gen)
+    nblk = -(-300 // bs)
+    rows = torch.stack([torch.randperm(NB, generator=gen)[:nblk] for _ in range(3)])
+    visible = torch.tensor([[290, 291, 292, 293, 294, 295, 296, 297, 298, 299, 300],  # causal tail
+                            [1, 17, 0, 0, 0, 0, 0, 0, 0, 0, 0],                        # padding
+                            [255, 255, 255, 255, 256, 256, 256, 256, 257, 0, 300]])
+    queries = (torch.randn(3, 11, h * g, d, generator=gen) * 2).to(dtype)
+    got = cpu_kernel.column_sums(layout, kc, queries, visible, rows, d ** -0.5, isa)
+    want = _reference(keys, queries, visible, rows, d ** -0.5, bs)
+    assert got.dtype == torch.float32 and not got.isnan().any()
+    err = (got.double() - want).norm() / want.norm()
+    assert err < 2e-6, err
+    assert got[:, :, 300:].abs().max() == 0  # nothing past the widest horizon
+    # each real query's softmax sums to one per query head
+    assert got.sum().item() == pytest.approx((visible > 0).sum().item() * h * g, rel=1e-5)
+
+
+@pytest.mark.parametrize("isa", _isas())
+def test_kept_sets_equal_float64s_at_a_flush_shape(isa):
+    """What eviction uses: the top-64 of 192 keys per (row, head) after a
+    32-query decode flush is the same set as float64's."""
+    gen = torch.Generator().manual_seed(7)
+    layout, kc, keys = _cache("amx", torch.bfloat16, 32, 64, 3, gen)
+    rows = torch.stack([torch.randperm(NB, generator=gen)[:6] for _ in range(9)])
+    visible = torch.arange(161, 193).expand(9, -1).contiguous()
+    queries = (torch.randn(9, 32, 9, 64, generator=gen) * 3).bfloat16()
+    got = cpu_kernel.column_sums(layout, kc, queries, visible, rows, 0.125, isa)
+    want = _reference(keys, queries, visible, rows, 0.125, 32)
+    same = [set(got[i, j].topk(64).indices.tolist()) == set(want[i, j].topk(64).indices.tolist())
+            for i in range(9) for j in range(3)]
+    assert all(same), f"{sum(same)}/27 sets equal"
+
+
+def test_score_queries_runs_the_kernel_and_agrees_with_the_torch_path(monkeypatch):
+    """The production entry (core/scores.score_queries) goes through the kernel
+    by default, and its per-slot scores equal the torch path's."""
+    if cpu_kernel.module() is None:
+        pytest.fail("the CPU kernel is not built: scripts/setup.sh builds it")
+    gen = torch.Generator().manual_seed(3)
+    layout, kc, _ = _cache("vec", torch.bfloat16, 32, 64, 3, gen)
+    rows = torch.stack([torch.randperm(NB, generator=gen)[:4] for _ in range(2)])
+    visible = torch.tensor([[100, 101, 102], [60, 0, 0]])
+    queries = torch.randn(2, 3, 9, 64, generator=gen).bfloat16()
+    calls = []
+    real = cpu_kernel.column_sums
+    monkeypatch.setattr(cpu_kernel, "column_sums", lambda *a: calls.append(a[-1]) or real(*a))
+    got = torch.zeros(3, NB * 32)
+    scores.score_queries(got, layout, kc, queries, visible, rows, 0.125)
+    assert calls == [cpu_kernel.isa()]
+    monkeypatch.setenv("VLLM_KVEVICT_KERNELS", "torch")
+    want = torch.zeros(3, NB * 32)
+    scores.score_queries(want, layout, kc, queries, visible, rows, 0.125)
+    assert len(calls) == 1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_dispatcher_honours_the_forced_path_and_dtypes(monkeypatch):
+    if cpu_kernel.module() is None:
+        pytest.fail("the CPU kernel is not built: scripts/setup.sh builds it")
+    layout = _layout("vec", torch.bfloat16, 32, 64, 3)
+    kc = torch.zeros(2, 3, 32, 64, dtype=torch.bfloat16)
+    q16, q32 = torch.zeros(1, 1, 9, 64, dtype=torch.bfloat16), torch.zeros(1, 1, 9, 64)
+    monkeypatch.setenv("VLLM_KVEVICT_CPU_ISA", "avx2")
+    assert cpu_kernel_isa(q16, kc, layout) == "avx2"
+    assert cpu_kernel.path() == "cpu-kernel avx2"
+    monkeypatch.setenv("VLLM_KVEVICT_CPU_ISA", "auto")
+    best = cpu_kernel.isa()
+    assert cpu_kernel_isa(q16, kc, layout) == best
+    assert cpu_kernel_isa(q32, kc, layout) == "avx2"  # float32 queries: the float32 path
+    monkeypatch.setenv("VLLM_KVEVICT_KERNELS", "torch")
+    assert cpu_kernel_isa(q16, kc, layout) is None
+    assert cpu_kernel.path().startswith("torch (VLLM_KVEVICT_KERNELS=torch)")
+    monkeypatch.setenv("VLLM_KVEVICT_KERNELS", "auto")
+    monkeypatch.setenv("VLLM_KVEVICT_CPU_ISA", "sse")
+    with pytest.raises(ValueError, match="VLLM_KVEVICT_CPU_ISA"):
+        cpu_kernel.isa()
+
+
+def test_without_a_build_the_torch_path_runs_and_says_why(tmp_path):
+    """A kernel cache with nothing built for this source: serving does not
+    compile, it scores in torch and path() tells how to build."""
+    code = ("import torch; from vllm_kvevict import cpu_kernel as c; "
+            "from vllm_kvevict.core.kernel_dispatch import cpu_kernel_isa; "
+            "from vllm_kvevict.core.cpu_layout import KVLayout; "
+            "l = KVLayout('vec', torch.bfloat16, 32, 64, 1, None, None, (32, 64, 0, 0, 1, 0, 32), None); "
+            "print(c.module() is None, cpu_kernel_isa(torch.zeros(1), torch.zeros(1), l)); print(c.path())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "VLLM_KVEVICT_KERNEL_CACHE": str(tmp_path)})
+    first, second = out.stdout.splitlines()
+    assert first == "True None"
+    assert second.startswith("torch (the CPU kernel is not built") and "setup.sh" in second
+
+
+def test_bad_block_ids_are_refused_not_read():
+    if cpu_kernel.module() is None:
+        pytest.fail("the CPU kernel is not built: scripts/setup.sh builds it")
+    layout = _layout("vec", torch.float32, 32, 64, 1)
+    kc, _ = split_kv_cache(torch.zeros(4, 1, 32, 128))
+    q = torch.zeros(1, 1, 1, 64)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernel.column_sums(layout, kc, q, torch.tensor([[10]]), torch.tensor([[4]]), 1.0, "avx2")
+    with pytest.raises(RuntimeError, match="sees past"):
+        cpu_kernel.column_sums(layout, kc, q, torch.tensor([[33]]), torch.tensor([[0]]), 1.0, "avx2")
+
+
+def test_a_second_build_reuses_the_first():
+    if cpu_kernel.module() is None:
+        pytest.fail("the CPU kernel is not built: scripts/setup.sh builds it")
+    out = subprocess.run([sys.executable, "-m", "vllm_kvevict.cpu_kernel", "build"],
+                         capture_output=True, text=True, check=True, timeout=120)
+    assert "already built" in out.stdout

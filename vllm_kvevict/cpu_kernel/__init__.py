@@ -1,0 +1,114 @@
+"""The compiled CPU scoring kernel: build once, load it, pick its instruction path.
+
+    python -m vllm_kvevict.cpu_kernel build    (scripts/setup.sh runs this)
+    python -m vllm_kvevict.cpu_kernel info     (which path this machine runs)
+
+`column_sums.cpp` is built with torch's C++ extension tooling and the system
+compiler into ``~/.cache/vllm_kvevict/cpu_kernel/<key>/`` (``key``: a hash of
+the source, the torch version and the Python version, so a changed source or
+torch is never loaded stale); a second build finds it there and does nothing.
+Serving never compiles: when no built kernel matches, the torch path runs and
+`path()` says why (the worker logs it once, /metrics carries it).
+
+The instruction path (`isa()`): ``avx512bf16`` where the CPU has it (bf16 x
+bf16 products accumulated in float32 by vdpbf16ps), else ``avx2`` (float32
+FMA). ``VLLM_KVEVICT_CPU_ISA=avx2`` forces the AVX2 path (tests run both).
+``VLLM_KVEVICT_KERNELS=torch`` turns the kernel off (core/kernel_dispatch.py).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+NAME = "vllm_kvevict_cpu_scores"
+SOURCE = Path(__file__).with_name("column_sums.cpp")
+CFLAGS = ["-O3", "-std=c++17"]
+ISAS = ("avx512bf16", "avx2")
+
+
+def build_dir() -> Path:
+    """Where this source, built against this torch and Python, lives."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(f"{torch.__version__}|{sys.version}|{CFLAGS}".encode())
+    base = os.environ.get("VLLM_KVEVICT_KERNEL_CACHE")
+    root = Path(base) if base else Path.home() / ".cache" / "vllm_kvevict" / "cpu_kernel"
+    return root / h.hexdigest()[:16]
+
+
+def _built() -> Path | None:
+    found = sorted(build_dir().glob(f"{NAME}*.so"))
+    return found[0] if found else None
+
+
+def build(verbose: bool = False):
+    """Compile the kernel unless a matching build exists; returns the module."""
+    if _built() is None:
+        from torch.utils.cpp_extension import load
+
+        d = build_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        load(NAME, [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(d), verbose=verbose)
+    module.cache_clear()
+    return module()
+
+
+@functools.lru_cache(maxsize=None)
+def module():
+    """The built extension, or None (nothing built for this source and torch)."""
+    so = _built()
+    if so is None:
+        return None
+    spec = importlib.util.spec_from_file_location(NAME, so)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def isa() -> str | None:
+    """The instruction path this process runs, or None (no kernel / no path)."""
+    mod = module()
+    if mod is None:
+        return None
+    forced = os.environ.get("VLLM_KVEVICT_CPU_ISA", "auto").strip().lower()
+    if forced not in ("auto", *ISAS):
+        raise ValueError(f"VLLM_KVEVICT_CPU_ISA={forced!r}: expected auto or one of {ISAS}")
+    if forced != "auto":
+        if not mod.supports(forced):
+            raise RuntimeError(f"VLLM_KVEVICT_CPU_ISA={forced}: this CPU lacks it")
+        return forced
+    return next((i for i in ISAS if mod.supports(i)), None)
+
+
+def path() -> str:
+    """One line: which scoring path runs on CPU tensors here, and why."""
+    from vllm_kvevict.core.kernel_dispatch import mode
+
+    if mode() == "torch":
+        return "torch (VLLM_KVEVICT_KERNELS=torch)"
+    if module() is None:
+        return ("torch (the CPU kernel is not built for this source and torch: "
+                "run scripts/setup.sh or python -m vllm_kvevict.cpu_kernel build)")
+    chosen = isa()
+    return f"cpu-kernel {chosen}" if chosen else "torch (this CPU has neither AVX-512 BF16 nor AVX2+FMA)"
+
+
+def column_sums(layout, key_cache: torch.Tensor, queries: torch.Tensor, visible: torch.Tensor,
+                block_rows: torch.Tensor, scale: float, path_isa: str) -> torch.Tensor:
+    """(R, H, M) float32 summed softmax rows, as `core.scores._column_sums`.
+
+    key_cache: [NB, H, BS, D] (KVLayout.split); queries (R, Q, H_q, D);
+    visible (R, Q) int64, 0 = padding; block_rows (R, nblk) int64."""
+    q = queries
+    if path_isa == "avx512bf16":
+        q = q.to(torch.bfloat16)  # the caller chose this path for bf16 queries
+    elif q.dtype != key_cache.dtype:
+        q = q.to(torch.float32)
+    return module().column_sums(key_cache, block_rows.long().contiguous(), q.contiguous(),
+                                visible.long().contiguous(), float(scale),
+                                list(layout.k_tiles), path_isa)

@@ -1,0 +1,25 @@
+"""python -m vllm_kvevict.cpu_kernel build | info"""
+import sys
+import time
+
+from vllm_kvevict import cpu_kernel
+
+
+def main(argv: list[str]) -> int:
+    cmd = argv[0] if argv else "info"
+    if cmd == "build":
+        t0 = time.monotonic()
+        had = cpu_kernel.module() is not None
+        cpu_kernel.build(verbose="-v" in argv)
+        what = "already built" if had else f"built in {time.monotonic() - t0:.0f} s"
+        print(f"CPU scoring kernel {what} ({cpu_kernel.build_dir()}); path: {cpu_kernel.path()}")
+        return 0
+    if cmd == "info":
+        print(cpu_kernel.path())
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

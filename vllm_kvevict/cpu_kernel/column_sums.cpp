@@ -1,0 +1,387 @@
+// H2O / SnapKV column sums straight from vLLM's paged CPU KV cache.
+//
+// For each row r (a request, or a (layer, request) pair of a stacked flush),
+// KV head h, query t of the row and query head g of h's GQA group:
+//
+//     out[r, h, i] += softmax_i(q[r, t, h*G + g] . k[r, h, i] * scale)   i < visible[r, t]
+//
+// i.e. the summed attention each key receives; visible[r, t] == 0 marks a
+// padding query, which adds nothing. Keys are read in place through the
+// block table and the in-block tile layout that KVLayout discovered (no gather
+// in torch), one task's keys packed once into a small buffer and reused by all
+// its queries; logits live in a (ROWS x keys) float32 tile, never an n x n matrix.
+//
+// Two instruction paths, chosen at run time by the caller (vllm_kvevict.cpu_kernel):
+//   avx512bf16  bf16 q and k, vdpbf16ps: bf16 pairs multiplied exactly and
+//               accumulated in float32 (the logits are float32-accurate)
+//   avx2        any cache dtype converted to float32, FMA (float32 throughout)
+// Softmax, exp and the column sums are float32 on both.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int ROWS = 8;  // query rows per register block
+
+// Where element (t, d) of one (block, head) lives: KVLayout's tiled map
+// base + t / T0 * st1 + t % T0 * st0 + d / D0 * sd1 + d % D0 * sd0, which is a
+// token part plus a dim part, tabulated once per call (no divisions per element).
+struct Tiles {
+  std::vector<int64_t> tok, dim;  // (BS,) and (D,) offsets, base in tok
+  bool amx;  // [BS/16][D/2][16][2]: 16 tokens are one vdpbf16ps operand as stored
+  Tiles(const std::vector<int64_t>& t, int64_t bs, int64_t d) : tok(bs), dim(d) {
+    for (int64_t i = 0; i < bs; ++i) tok[i] = t[2] + i / t[0] * t[3] + i % t[0] * t[4];
+    for (int64_t k = 0; k < d; ++k) dim[k] = k / t[1] * t[5] + k % t[1] * t[6];
+    amx = t[0] == 16 && t[1] == 2 && t[4] == 2 && t[5] == 32 && t[6] == 1 && t[3] == 16 * d;
+  }
+  int64_t at(int64_t t, int64_t d) const { return tok[t] + dim[d]; }
+};
+
+// One unit of parallel work: key head h of row r, and the row blocks
+// split, split + splits, ... of its query rows (balances causal chunks).
+struct Work {
+  const at::Tensor& cache;  // [NB, H, BS, D] strided view
+  const int64_t* blocks;    // (R, nblk)
+  int64_t nblk, bs, d, g, nq, hq;
+  const int64_t* visible;   // (R, Q)
+  Tiles tiles;
+  float scale;
+};
+
+struct RowList {
+  std::vector<int64_t> t, head;  // query index and query head per row
+  std::vector<int64_t> vis;
+};
+
+// The task's query rows: (t, g) with visible > 0, in t order.
+RowList rows_of(const Work& w, int64_t r, int64_t h, int64_t split, int64_t splits) {
+  RowList out;
+  int64_t n = 0;
+  for (int64_t t = 0; t < w.nq; ++t) {
+    int64_t v = w.visible[r * w.nq + t];
+    if (v <= 0) continue;
+    for (int64_t g = 0; g < w.g; ++g, ++n) {
+      if ((n / ROWS) % splits != split) continue;
+      out.t.push_back(t);
+      out.head.push_back(h * w.g + g);
+      out.vis.push_back(v);
+    }
+  }
+  return out;
+}
+
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
+
+// Cache element (t, d) of row r, head h, as its raw storage type.
+template <typename T>
+inline const T* key_base(const Work& w, int64_t r, int64_t h, int64_t t) {
+  const int64_t blk = w.blocks[r * w.nblk + t / w.bs];
+  return w.cache.data_ptr<T>() + blk * w.cache.stride(0) + h * w.cache.stride(1);
+}
+
+// ---------------------------------------------------------------- avx512bf16
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
+
+// exp for x <= 0 (Cephes expf polynomial, ~1 ulp), scalef does the 2^n.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-103.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Softmax of row `l` over [0, vis), its probabilities added to `col`.
+void softmax_into_512(float* l, int64_t vis, float* col) {
+  const int64_t full = vis / 16 * 16;
+  const __mmask16 tail = (__mmask16)((1u << (vis - full)) - 1);
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < full; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(l + i));
+  if (tail) m = _mm512_mask_max_ps(m, tail, m, _mm512_maskz_loadu_ps(tail, l + full));
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+  __m512 s = _mm512_setzero_ps();
+  for (int64_t i = 0; i < full; i += 16) {
+    __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(l + i), mx));
+    _mm512_storeu_ps(l + i, e);
+    s = _mm512_add_ps(s, e);
+  }
+  if (tail) {
+    __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, l + full), mx));
+    e = _mm512_maskz_mov_ps(tail, e);
+    _mm512_mask_storeu_ps(l + full, tail, e);
+    s = _mm512_add_ps(s, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(s));
+  for (int64_t i = 0; i < full; i += 16)
+    _mm512_storeu_ps(col + i, _mm512_fmadd_ps(_mm512_loadu_ps(l + i), inv, _mm512_loadu_ps(col + i)));
+  if (tail)
+    _mm512_mask_storeu_ps(col + full, tail,
+                          _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, l + full), inv,
+                                          _mm512_maskz_loadu_ps(tail, col + full)));
+}
+
+// Keys [0, n) (n a multiple of 16) of (r, h) as vdpbf16ps operands:
+// [n/16][D/2][16][2] bf16. vLLM's amx layout already is this, per 16 tokens.
+void pack_bf16(const Work& w, int64_t r, int64_t h, int64_t n, uint16_t* out) {
+  const int64_t d = w.d;
+  const Tiles& T = w.tiles;
+  for (int64_t c = 0; c < n / 16; ++c) {
+    const int64_t t = c * 16;
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(key_base<at::BFloat16>(w, r, h, t));
+    uint16_t* dst = out + c * 16 * d;
+    if (T.amx) {
+      std::memcpy(dst, src + T.tok[t % w.bs], 16 * d * sizeof(uint16_t));
+      continue;
+    }
+    for (int64_t i = 0; i < 16; ++i)
+      for (int64_t k = 0; k < d; ++k)
+        dst[(k / 2) * 32 + i * 2 + (k % 2)] = src[T.at((t + i) % w.bs, k)];
+  }
+}
+
+void run_bf16(const Work& w, const at::Tensor& q, int64_t r, int64_t h, int64_t split,
+              int64_t splits, float* col) {
+  RowList rows = rows_of(w, r, h, split, splits);
+  if (rows.t.empty()) return;
+  const int64_t d = w.d, hp = d / 2;
+  const int64_t hi = (*std::max_element(rows.vis.begin(), rows.vis.end()) + 15) / 16 * 16;
+  std::vector<uint16_t> keys(hi * d);
+  pack_bf16(w, r, h, hi, keys.data());
+  std::vector<float> logits(ROWS * hi);
+  std::vector<int32_t> qp(ROWS * hp);
+  const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  const __m512 scale = _mm512_set1_ps(w.scale);
+  for (size_t b0 = 0; b0 < rows.t.size(); b0 += ROWS) {
+    const int64_t nb = std::min<int64_t>(ROWS, rows.t.size() - b0);
+    int64_t bhi = 0;
+    std::fill(qp.begin(), qp.end(), 0);
+    for (int64_t j = 0; j < nb; ++j) {
+      const uint16_t* src = qd + ((r * w.nq + rows.t[b0 + j]) * w.hq + rows.head[b0 + j]) * d;
+      std::memcpy(&qp[j * hp], src, d * sizeof(uint16_t));
+      bhi = std::max(bhi, rows.vis[b0 + j]);
+    }
+    for (int64_t c = 0; c < (bhi + 15) / 16; ++c) {
+      const uint16_t* kc = keys.data() + c * 16 * d;
+      __m512 acc[ROWS];
+      for (int j = 0; j < ROWS; ++j) acc[j] = _mm512_setzero_ps();
+      for (int64_t p = 0; p < hp; ++p) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kc + p * 32);
+        for (int j = 0; j < ROWS; ++j)
+          acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32(qp[j * hp + p]), kv);
+      }
+      for (int j = 0; j < ROWS; ++j)
+        _mm512_storeu_ps(logits.data() + j * hi + c * 16, _mm512_mul_ps(acc[j], scale));
+    }
+    for (int64_t j = 0; j < nb; ++j) softmax_into_512(logits.data() + j * hi, rows.vis[b0 + j], col);
+  }
+}
+
+bool has_avx512bf16() { return __builtin_cpu_supports("avx512bf16"); }
+
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------- avx2
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // 2^n stays a normal float
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hmax256(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+inline float hsum256(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+void softmax_into_256(float* l, int64_t vis, float* col) {
+  const int64_t full = vis / 8 * 8;
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < full; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(l + i));
+  float mx = hmax256(m);
+  for (int64_t i = full; i < vis; ++i) mx = std::max(mx, l[i]);
+  const __m256 vmx = _mm256_set1_ps(mx);
+  __m256 s = _mm256_setzero_ps();
+  for (int64_t i = 0; i < full; i += 8) {
+    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(l + i), vmx));
+    _mm256_storeu_ps(l + i, e);
+    s = _mm256_add_ps(s, e);
+  }
+  float sum = hsum256(s);
+  for (int64_t i = full; i < vis; ++i) sum += (l[i] = std::exp(l[i] - mx));
+  const float inv = 1.0f / sum;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (int64_t i = 0; i < full; i += 8)
+    _mm256_storeu_ps(col + i, _mm256_fmadd_ps(_mm256_loadu_ps(l + i), vinv, _mm256_loadu_ps(col + i)));
+  for (int64_t i = full; i < vis; ++i) col[i] += l[i] * inv;
+}
+
+// Keys [0, n) (n a multiple of 8) of (r, h) as float32 [n/8][D][8].
+template <typename T>
+void pack_f32(const Work& w, int64_t r, int64_t h, int64_t n, float* out) {
+  const int64_t d = w.d;
+  for (int64_t c = 0; c < n / 8; ++c) {
+    const int64_t t = c * 8;
+    const T* src = key_base<T>(w, r, h, t);
+    float* dst = out + c * 8 * d;
+    for (int64_t k = 0; k < d; ++k)
+      for (int64_t i = 0; i < 8; ++i) dst[k * 8 + i] = to_float(src[w.tiles.at((t + i) % w.bs, k)]);
+  }
+}
+
+template <typename T, typename QT>
+void run_f32(const Work& w, const at::Tensor& q, int64_t r, int64_t h, int64_t split,
+             int64_t splits, float* col) {
+  RowList rows = rows_of(w, r, h, split, splits);
+  if (rows.t.empty()) return;
+  const int64_t d = w.d;
+  const int64_t hi = (*std::max_element(rows.vis.begin(), rows.vis.end()) + 7) / 8 * 8;
+  std::vector<float> keys(hi * d);
+  pack_f32<T>(w, r, h, hi, keys.data());
+  std::vector<float> logits(ROWS * hi);
+  std::vector<float> qf(ROWS * d);
+  const QT* qd = q.data_ptr<QT>();
+  const __m256 scale = _mm256_set1_ps(w.scale);
+  for (size_t b0 = 0; b0 < rows.t.size(); b0 += ROWS) {
+    const int64_t nb = std::min<int64_t>(ROWS, rows.t.size() - b0);
+    int64_t bhi = 0;
+    std::fill(qf.begin(), qf.end(), 0.0f);
+    for (int64_t j = 0; j < nb; ++j) {
+      const QT* src = qd + ((r * w.nq + rows.t[b0 + j]) * w.hq + rows.head[b0 + j]) * d;
+      for (int64_t k = 0; k < d; ++k) qf[j * d + k] = to_float(src[k]);
+      bhi = std::max(bhi, rows.vis[b0 + j]);
+    }
+    for (int64_t c = 0; c < (bhi + 7) / 8; ++c) {
+      const float* kc = keys.data() + c * 8 * d;
+      __m256 acc[ROWS];
+      for (int j = 0; j < ROWS; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t k = 0; k < d; ++k) {
+        const __m256 kv = _mm256_loadu_ps(kc + k * 8);
+        for (int j = 0; j < ROWS; ++j)
+          acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(qf[j * d + k]), kv, acc[j]);
+      }
+      for (int j = 0; j < ROWS; ++j)
+        _mm256_storeu_ps(logits.data() + j * hi + c * 8, _mm256_mul_ps(acc[j], scale));
+    }
+    for (int64_t j = 0; j < nb; ++j) softmax_into_256(logits.data() + j * hi, rows.vis[b0 + j], col);
+  }
+}
+
+bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------- entry
+
+bool supports(const std::string& isa) {
+  if (isa == "avx512bf16") return has_avx512bf16();
+  if (isa == "avx2") return has_avx2();
+  return false;
+}
+
+at::Tensor column_sums(const at::Tensor& key_cache, const at::Tensor& block_rows,
+                       const at::Tensor& queries, const at::Tensor& visible, double scale,
+                       std::vector<int64_t> tiles, const std::string& isa) {
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.device().is_cpu(), "key_cache: [NB, H, BS, D] on CPU");
+  TORCH_CHECK(queries.dim() == 4 && queries.is_contiguous(), "queries: contiguous (R, Q, H_q, D)");
+  TORCH_CHECK(block_rows.dim() == 2 && block_rows.scalar_type() == at::kLong && block_rows.is_contiguous(),
+              "block_rows: contiguous (R, nblk) int64");
+  TORCH_CHECK(visible.dim() == 2 && visible.scalar_type() == at::kLong && visible.is_contiguous(),
+              "visible: contiguous (R, Q) int64");
+  TORCH_CHECK(tiles.size() == 7, "tiles: (T0, D0, base, st1, st0, sd1, sd0)");
+  TORCH_CHECK(supports(isa), "this CPU cannot run the ", isa, " path");
+  const int64_t r = queries.size(0), nq = queries.size(1), hq = queries.size(2), d = queries.size(3);
+  const int64_t h = key_cache.size(1), bs = key_cache.size(2), nblk = block_rows.size(1);
+  TORCH_CHECK(key_cache.size(3) == d && hq % h == 0 && d % 2 == 0, "head sizes disagree");
+  TORCH_CHECK(bs % 16 == 0, "block size must be a multiple of 16");
+  TORCH_CHECK(block_rows.size(0) == r && visible.size(0) == r && visible.size(1) == nq, "row counts disagree");
+  TORCH_CHECK(block_rows.numel() == 0 || (block_rows.min().item<int64_t>() >= 0 &&
+                                          block_rows.max().item<int64_t>() < key_cache.size(0)),
+              "block_rows name blocks outside the cache");
+  TORCH_CHECK(visible.numel() == 0 || visible.max().item<int64_t>() <= nblk * bs,
+              "a query sees past its row's blocks");
+  const bool bf16 = isa == "avx512bf16";
+  TORCH_CHECK(!bf16 || (key_cache.scalar_type() == at::kBFloat16 && queries.scalar_type() == at::kBFloat16),
+              "the avx512bf16 path takes a bf16 cache and bf16 queries");
+  TORCH_CHECK(bf16 || queries.scalar_type() == key_cache.scalar_type() || queries.scalar_type() == at::kFloat,
+              "queries: the cache dtype or float32");
+  TORCH_CHECK(key_cache.scalar_type() == at::kBFloat16 || key_cache.scalar_type() == at::kHalf ||
+              key_cache.scalar_type() == at::kFloat, "cache dtype: bf16, fp16 or float32");
+  Work w{key_cache, block_rows.data_ptr<int64_t>(), nblk, bs, d, hq / h, nq, hq,
+         visible.data_ptr<int64_t>(),
+         Tiles(tiles, bs, d),
+         static_cast<float>(scale)};
+  const int64_t m = nblk * bs;
+  // Enough tasks for every thread, even for one request's chunk: a (row, head)
+  // pair's query rows are split over `splits` tasks, summed afterwards.
+  const int64_t threads = at::get_num_threads();
+  const int64_t row_blocks = (nq * w.g + ROWS - 1) / ROWS;
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(row_blocks, (4 * threads + r * h - 1) / (r * h)));
+  at::Tensor out = at::zeros({splits, r, h, m}, at::TensorOptions().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, splits * r * h, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = i / (r * h), row = i / h % r, head = i % h;
+      float* col = o + i * m;
+      if (bf16) {
+        run_bf16(w, queries, row, head, s, splits, col);
+      } else if (key_cache.scalar_type() == at::kBFloat16) {
+        queries.scalar_type() == at::kFloat ? run_f32<at::BFloat16, float>(w, queries, row, head, s, splits, col)
+                                            : run_f32<at::BFloat16, at::BFloat16>(w, queries, row, head, s, splits, col);
+      } else if (key_cache.scalar_type() == at::kHalf) {
+        queries.scalar_type() == at::kFloat ? run_f32<at::Half, float>(w, queries, row, head, s, splits, col)
+                                            : run_f32<at::Half, at::Half>(w, queries, row, head, s, splits, col);
+      } else {
+        run_f32<float, float>(w, queries, row, head, s, splits, col);
+      }
+    }
+  });
+  return splits == 1 ? out[0] : out.sum(0);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("column_sums", &column_sums, "summed softmax attention per key, from the paged CPU cache");
+  m.def("supports", &supports, "whether this CPU runs the named path (avx512bf16 | avx2)");
+}
