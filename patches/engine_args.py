@@ -16,8 +16,9 @@ HOW: add an argument group; fold the parsed values into
      missing one stops startup naming `python -m vllm_kvevict.calibrate`
      instead of a worker calibrating mid-step.
      With eviction or offload on, refuse what it does not support, naming the
-     vLLM flag and ours (issue 20 #7): speculative decoding, pipeline
-     parallel, async scheduling. vLLM 0.32 turns async scheduling on by
+     vLLM flag and ours (issue 20 #7): speculative decoding, async
+     scheduling, and pipeline parallel with offload (eviction alone runs at
+     PP > 1: each stage compacts its own layers by the scheduler's plan). vLLM 0.32 turns async scheduling on by
      default where it can (VllmConfig: None -> True on CUDA; the CPU platform
      turns it off whatever was asked), so an unset value is set to False here
      and only an explicit --async-scheduling is refused: a plain
@@ -117,11 +118,15 @@ def refuse_unsupported(cfg: EvictionConfig, *, speculative: str | None, pipeline
             f"{speculative} is not supported with {ours}: draft tokens' attention would "
             f"enter the eviction scores, and offload's host decode handles one new token "
             f"per request per step; drop {speculative} or the eviction flags")
-    if pipeline > 1:
+    if pipeline > 1 and cfg.offload:
+        # Eviction alone runs at any stage count: every stage compacts its own
+        # layers by the scheduler's one plan (docs/serving.md). Offload does not.
         raise EvictionConfigError(
-            f"--pipeline-parallel-size {pipeline} is not supported with {ours}: "
-            f"compaction and scoring are built and tested for a single pipeline stage; "
-            f"use --tensor-parallel-size to split the model instead")
+            f"--pipeline-parallel-size {pipeline} is not supported with {ours}: offload "
+            f"predicts each layer's attention from the layer before it (InfiniGen's "
+            f"speculation), and the first layer of every stage after the first has that "
+            f"layer in another process; use --tensor-parallel-size to split the model, "
+            f"or eviction without offload (e.g. --kv-eviction h2o) at pipeline parallel")
     if async_scheduling:
         raise EvictionConfigError(
             f"--async-scheduling is not supported with {ours}: it schedules step t+1, "

@@ -4,7 +4,9 @@ With eviction or offload on (--kv-eviction other than none, --kv-swap-space):
   --speculative-config (or --spec-method/--spec-model/--spec-tokens)
                               draft tokens' attention would enter H2O's scores,
                               and offload's host decode handles 1-token rows only
-  --pipeline-parallel-size>1  compaction plans and score buffers are per whole model
+  --pipeline-parallel-size>1  with offload only (InfiniGen predicts a layer from the
+                              layer before it, on another stage at a stage's first
+                              layer); eviction alone starts (tests/test_pipeline_parallel.py)
   --async-scheduling          step t+1's plans would be made while step t runs
 Async scheduling is off by default with eviction (vLLM turns it on by default
 on CUDA; on CPU its platform turns it off), so a plain
@@ -29,9 +31,9 @@ UNSUPPORTED = [
     pytest.param(["--speculative-config", NGRAM], "--speculative-config", id="spec"),
     pytest.param(["--spec-method", "ngram", "--spec-tokens", "2"], "--spec-method",
                  id="spec-method"),
-    pytest.param(["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2", id="pp2"),
     pytest.param(["--async-scheduling"], "--async-scheduling", id="async"),
 ]
+PP2 = ["--pipeline-parallel-size", "2"]
 EVICTION = [
     pytest.param(["--kv-eviction", "h2o"], "--kv-eviction h2o", id="h2o"),
     pytest.param(["--kv-eviction", "snapkv", "--kv-budget", "0.2"], "--kv-eviction snapkv",
@@ -61,8 +63,39 @@ def test_stock_vllm_accepts_each_setting(model_path, setting, theirs):
     assert not isinstance(cfg, str), cfg
     if "--speculative-config" in setting or "--spec-method" in setting:
         assert cfg.speculative_config.method == "ngram"
-    if "--pipeline-parallel-size" in setting:
+
+
+@pytest.mark.parametrize("eviction, ours", [p for p in EVICTION if p.id in
+                                            ("infinigen", "swap-space")])
+def test_pipeline_parallel_with_offload_stops_startup_saying_why(model_path, eviction, ours):
+    said = serve_config(model_path, *eviction, *PP2)
+    assert isinstance(said, str), "started"
+    assert said.startswith("EvictionConfigError: ") and ours in said, said
+    assert "--pipeline-parallel-size 2 is not supported with" in said, said
+    assert "layer before it" in said and "another process" in said, said
+
+
+@pytest.mark.parametrize("eviction, ours", [p for p in EVICTION if p.id not in
+                                            ("infinigen", "swap-space")])
+def test_pipeline_parallel_with_eviction_starts(model_path, eviction, ours):
+    """Eviction without offload runs at PP 2 (what it does there:
+    tests/test_pipeline_parallel.py); so does stock vLLM."""
+    for args in ((*eviction, *PP2), PP2):
+        cfg = serve_config(model_path, *args)
+        assert not isinstance(cfg, str), cfg
         assert cfg.parallel_config.pipeline_parallel_size == 2
+
+
+def test_prompt_modules_at_pipeline_parallel_are_refused_saying_why(model_path):
+    """Schema registration and PML prompts check the engine first
+    (prompt_modules._check_engine): at PP 2 they are refused alone, naming the flag."""
+    from vllm_kvevict.core.pml import PMLError
+    from vllm_kvevict.integration.prompt_modules import _check_engine
+
+    _check_engine(serve_config(model_path, "--kv-eviction", "h2o"))  # PP 1: fine
+    with pytest.raises(PMLError, match="prompt modules are not supported with "
+                                       "--pipeline-parallel-size 2: .* one pipeline stage"):
+        _check_engine(serve_config(model_path, "--kv-eviction", "h2o", *PP2))
 
 
 @pytest.mark.parametrize("extra", [(), ("--no-async-scheduling",), ("--kv-budget", "0.2")])
@@ -103,7 +136,6 @@ def test_async_scheduling_default_is_turned_off_before_vllm_decides(model_path):
 
 @pytest.mark.parametrize("kwargs, theirs", [
     pytest.param({"speculative_config": json.loads(NGRAM)}, "--speculative-config", id="spec"),
-    pytest.param({"pipeline_parallel_size": 2}, "--pipeline-parallel-size 2", id="pp2"),
     pytest.param({"async_scheduling": True}, "--async-scheduling", id="async"),
 ])
 def test_offline_llm_is_refused_too(model_path, monkeypatch, kwargs, theirs):

@@ -87,6 +87,15 @@ def _check_engine(vllm_config) -> None:
     if not vllm_config.cache_config.enable_prefix_caching:
         raise PMLError("prompt modules reuse blocks through vLLM's prefix-cache path: "
                        "start the engine without --no-enable-prefix-caching")
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp > 1:
+        # Refused alone (eviction runs at PP > 1): nothing here is known to
+        # break, but nothing has checked module KV at schema positions on a
+        # stage after the first, and a wrong position would answer silently.
+        raise PMLError(f"prompt modules are not supported with --pipeline-parallel-size "
+                       f"{pp}: their KV, encoded at the schema's positions, is checked "
+                       f"against a dense model on one pipeline stage only; serve them "
+                       f"with --tensor-parallel-size instead")
 
 
 def _tokenize(input_processor):

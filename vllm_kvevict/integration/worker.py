@@ -2,6 +2,9 @@
 
 One `WorkerEviction` per worker process (one model runner per process in vLLM
 V1). It is created by the first attention backend that sees eviction enabled.
+At pipeline parallel it holds only its stage's layers: every stage gets the
+same plans (one SchedulerOutput) and scores and compacts its own layers, so
+physical lengths agree across stages by construction.
 
 Per layer it keeps a score buffer beside the KV cache (H2O only; the other
 policies' buffers are empty):
@@ -160,7 +163,7 @@ class WorkerEviction:
     def _write_metrics(self) -> None:
         if self._snapshot is None:
             self._snapshot = Snapshot("worker")
-        self._snapshot.write({"role": "worker", "rank": _tp_rank(),
+        self._snapshot.write({"role": "worker", "rank": _worker_rank(),
                               "compaction_seconds": self.compaction_seconds})
 
     def _private_of(self, req_id: str, layer: str, st: LayerStack) -> torch.Tensor | None:
@@ -365,11 +368,15 @@ class WorkerEviction:
         return full[:, :, : plan.old_len]
 
 
-def _tp_rank() -> int:
+def _worker_rank() -> int:
+    """This worker's rank among the model's workers: pp_stage * tp_size + tp_rank
+    (the TP rank at one pipeline stage), so no two workers of an engine share a
+    `compaction_seconds_total{rank}` series."""
     try:
-        from vllm.distributed import get_tensor_model_parallel_rank
+        from vllm.distributed import get_pp_group, get_tp_group
 
-        return get_tensor_model_parallel_rank()
+        tp = get_tp_group()
+        return get_pp_group().rank_in_group * tp.world_size + tp.rank_in_group
     except Exception:  # no parallel groups (unit tests): one rank
         return 0
 
