@@ -246,7 +246,7 @@ def main() -> None:
         print(f"{name}: {rows[-1]['wall_s']:.1f} s", flush=True)
     peak = rows[2]["pool_peak_bytes"]
     for victim in filter(None, args.victims.split(",")):
-        extra = {"kv_eviction": "infinigen", "kv_swap_space": int(0.8 * peak),
+        extra = {"kv_eviction": "infinigen", "kv_swap_space": f"{int(0.8 * peak)}B",
                  "kv_host_victim": victim, **b}
         rows.append(run(model, f"infinigen/{victim} 80%", extra, reqs, args, timers))
         print(f"{victim}: {rows[-1]['wall_s']:.1f} s", flush=True)

@@ -69,7 +69,9 @@ _HELP = {
                       "chunk, so the policy sees the question at its end; when the pool "
                       "is short it is compressed between chunks instead (counted in "
                       "vllm_kvevict_prefill_fallbacks_total). 0: always between chunks.",
-    "kv_swap_space": "Host memory pool for offloaded KV per worker (e.g. 8GiB, 512MiB). "
+    "kv_swap_space": "Host memory pool for offloaded KV per worker: a number of GiB, as "
+                     "vLLM's --swap-space reads it (4, 0.25), or a size with a unit "
+                     "(8GiB, 512MiB, 1073741824B). "
                      "With h2o/andpro/snapkv/streaming it turns offload on: evicted KV "
                      "goes to the pool instead of being dropped. Default: 4GiB under "
                      "infinigen, else no offload.",

@@ -41,6 +41,25 @@ def test_bad_values_fail_at_parse_time_naming_the_flag(parser):
         parser.parse_args(["--model", "m", "--kv-eviction", "lru"])
 
 
+def test_swap_space_reads_like_vllms_swap_space(parser, capsys):
+    """`--kv-swap-space 0.25` is 256 MiB and `4` is 4 GiB (GiB, as vLLM's
+    --swap-space); `abc` is refused naming the forms; --help says so."""
+    from vllm_kvevict.core.config import EvictionConfigError
+    from vllm_kvevict.integration.settings import eviction_config
+
+    for value, size in (("0.25", 256 << 20), ("4", 4 << 30), ("512MiB", 512 << 20)):
+        args = _engine_args(parser, "--kv-eviction", "h2o", "--kv-swap-space", value)
+        assert eviction_config(args.additional_config).swap_bytes == size
+    with pytest.raises(EvictionConfigError, match=r"--kv-swap-space .*must be a number of GiB "
+                                                  r"as in vLLM's --swap-space \(4, 0.25\) or "
+                                                  r"a size with a unit \(512MiB, 8GiB"):
+        _engine_args(parser, "--kv-eviction", "h2o", "--kv-swap-space", "abc")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help=kv-swap-space"])
+    assert "a number of GiB, as vLLM's --swap-space reads it (4, 0.25)" in " ".join(
+        capsys.readouterr().out.split())
+
+
 def test_help_shows_each_flag_with_its_default(parser, capsys):
     """`vllm serve --help=kv-` lists our flags with their real defaults."""
     with pytest.raises(SystemExit):

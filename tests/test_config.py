@@ -83,6 +83,35 @@ def test_offload_settings():
     assert "kv_swap_space" not in EvictionConfig.from_dict({"kv_eviction": "h2o"}).to_dict()
 
 
+@pytest.mark.parametrize("value, size", [
+    ("4", 4 << 30), (4, 4 << 30), ("0.25", 256 << 20), (0.25, 256 << 20), (" 2 ", 2 << 30),
+    ("512MiB", 512 << 20), ("8GiB", 8 << 30), ("8g", 8 << 30), ("1073741824B", 1 << 30),
+    ("1073741824 b", 1 << 30), ("4096KiB", 4 << 20),
+])
+def test_swap_space_bare_number_is_gib_as_in_vllm_swap_space(value, size):
+    """--kv-swap-space 4 is 4 GiB and 0.25 is 256 MiB, as vLLM's --swap-space
+    reads them; a size with a unit (bytes included: `B`) means what it says, and
+    the canonical form every process re-reads keeps the size."""
+    cfg = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_swap_space": value})
+    assert cfg.swap_bytes == size
+    assert EvictionConfig.from_dict(cfg.to_dict()).swap_bytes == size
+
+
+@pytest.mark.parametrize("value", ["abc", "4 parsecs", "", "-1", "0", "0.0", 0, "1e3", True])
+def test_swap_space_bad_value_names_the_accepted_forms(value):
+    with pytest.raises(EvictionConfigError) as err:
+        EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_swap_space": value})
+    said = str(err.value)
+    assert said.startswith("--kv-swap-space") and " must be " in said, said
+    for form in ("GiB", "--swap-space", "0.25", "512MiB", "8GiB", "B)"):
+        assert form in said, said
+
+
+def test_max_pml_bytes_bare_number_stays_bytes():
+    cfg = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_max_pml_bytes": "4096"})
+    assert cfg.limits.max_pml_bytes == 4096
+
+
 # --- per-request kv_budget / kv_recent against the server's (issue 20 #6) ---
 # A request may keep less KV than the server would, never more, whatever the
 # units: a fraction at most the server's fraction; a token count at most the

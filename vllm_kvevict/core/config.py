@@ -282,7 +282,8 @@ class EvictionConfig:
         out = {"kv_eviction": d["policy"], "kv_budget": d["budget"],
                "kv_recent": d["recent"], "kv_sink": d["sink"], "kv_window": d["window"]}
         if self.offload:  # keep the old keys (and spec hashes) for the other policies
-            out.update(kv_swap_space=self.swap_bytes, kv_alpha=self.alpha,
+            # With its unit: a bare number is GiB (parse_bytes).
+            out.update(kv_swap_space=f"{self.swap_bytes}B", kv_alpha=self.alpha,
                        kv_attend_cap=self.attend_cap, kv_partial=self.partial,
                        kv_host_victim=self.host_victim)
             if self.skewing:
@@ -431,22 +432,27 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 
           "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
 
 
-def parse_bytes(key: str, value: Any) -> int:
-    """`8GiB`, `512MiB`, `1.5g` or a plain byte count -> bytes (binary units)."""
+def parse_bytes(key: str, value: Any, bare: str = "b") -> int:
+    """`8GiB`, `512MiB`, `1.5g`, `4096B` -> bytes (binary units). A number
+    without a unit counts in `bare`: bytes by default; "g" for --kv-swap-space,
+    whose bare number is GiB as in vLLM's --swap-space (4 -> 4 GiB, 0.25 -> 256 MiB)."""
+    forms = (f"a number of GiB as in vLLM's --swap-space (4, 0.25) or a size with a unit "
+             f"(512MiB, 8GiB, 1073741824B)" if bare == "g" else
+             "a size such as 8GiB, 512MiB or a byte count")
     if isinstance(value, bool):
-        raise EvictionConfigError(f"{_flag(key)} must be a size, got {value!r}")
+        raise EvictionConfigError(f"{_flag(key)} must be {forms}, got {value!r}")
     if isinstance(value, (int, float)):
         number, unit = float(value), ""
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
         if m is None or m.group(2).lower() not in _UNITS:
-            raise EvictionConfigError(
-                f"{_flag(key)} must be a size such as 8GiB, 512MiB or a byte count, "
-                f"got {value!r}")
+            raise EvictionConfigError(f"{_flag(key)} must be {forms}, got {value!r}")
         number, unit = float(m.group(1)), m.group(2).lower()
-    size = int(number * _UNITS[unit]) if math.isfinite(number * _UNITS[unit]) else 0
+    scale = _UNITS[unit or bare]
+    size = int(number * scale) if math.isfinite(number * scale) else 0
     if size <= 0:
-        raise EvictionConfigError(f"{_flag(key)} must be > 0, got {value!r}")
+        raise EvictionConfigError(
+            f"{_flag(key)} must be > 0 bytes ({forms}), got {value!r}")
     return size
 
 
@@ -467,7 +473,7 @@ def _prefill_cap(cap: Any) -> int | None:
 def _offload_settings(raw: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if raw.get("kv_swap_space") is not None:
-        out["swap_space"] = parse_bytes("kv_swap_space", raw["kv_swap_space"])
+        out["swap_space"] = parse_bytes("kv_swap_space", raw["kv_swap_space"], bare="g")
     for key, lo, hi in (("kv_alpha", 0.0, math.inf), ("kv_attend_cap", 0.0, 1.0),
                         ("kv_partial", 0.0, 1.0)):
         if raw.get(key) is None:
