@@ -7,7 +7,13 @@ Two tables, every configuration in one run:
    preempt / queue; eviction keeps each request near its budget, so more run
    at once. Reports output tok/s, speedup vs stock, and vLLM's own block
    accounting (peak blocks in use, running requests, preemptions).
-2. "memory ample": a pool large enough that nothing is preempted, so what
+   All requests arrive at once with equal output lengths, so they run in
+   lockstep waves (all admitted, all finishing together).
+2. "constrained pool, steady state": the same pool and prompts, but request i
+   arrives at engine step i * --arrival-gap and asks for a seeded random
+   output length in [output_len / 2, 3 * output_len / 2]: requests finish at
+   different times and the pool stays full, as on a server under load.
+3. "memory ample": a pool large enough that nothing is preempted, so what
    differs from stock is the per-step cost of scoring + compaction (and the
    cheaper attention over fewer resident tokens).
 
@@ -40,6 +46,7 @@ import gc
 import json
 import math
 import platform
+import random
 import subprocess
 import sys
 import time
@@ -208,7 +215,10 @@ def run_config(cfg: dict) -> dict:
         for rep in range(cfg["repeats"]):
             if rep:
                 llm.reset_prefix_cache()
-            reps.append(timed_generate(llm, rec, mgr, prompts, params, cfg))
+            if cfg.get("workload") == "steady":
+                reps.append(timed_steady(llm, rec, mgr, prompts, cfg))
+            else:
+                reps.append(timed_generate(llm, rec, mgr, prompts, params, cfg))
         # best of N: on a shared machine the fastest repeat is the least disturbed
         best = max(reps, key=lambda r: r["out_tok_s"])
         return {
@@ -235,19 +245,61 @@ def run_config(cfg: dict) -> dict:
         gc.collect()
 
 
+def steady_lengths(cfg) -> list[int]:
+    """Seeded output lengths of the steady-state workload, the same in every run."""
+    rng = random.Random(1234)
+    n = cfg["output_len"]
+    return [rng.randint(n // 2, 3 * n // 2) for _ in range(cfg["num_requests"])]
+
+
+def timed_steady(llm, rec: StepRecorder, mgr, prompts, cfg) -> dict:
+    """The steady-state workload, driven step by step: request i is added at
+    step i * arrival_gap, with its own output length."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    lengths = steady_lengths(cfg)
+    gap = cfg["arrival_gap"]
+    done: dict[int, object] = {}
+
+    def run():
+        step = added = 0
+        while added < len(prompts) or engine.has_unfinished_requests():
+            while added < len(prompts) and step >= added * gap:
+                engine.add_request(str(added), {"prompt_token_ids": prompts[added]},
+                                   SamplingParams(max_tokens=lengths[added], ignore_eos=True,
+                                                  temperature=0.0))
+                added += 1
+            for out in engine.step():
+                if out.finished:
+                    done[int(out.request_id)] = out
+            step += 1
+        return [done[i] for i in range(len(prompts))]
+
+    return _timed(rec, mgr, cfg, run, lengths)
+
+
 def timed_generate(llm, rec: StepRecorder, mgr, prompts, params, cfg) -> dict:
+    return _timed(rec, mgr, cfg, lambda: llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False),
+        [cfg["output_len"]] * len(prompts))
+
+
+def _timed(rec: StepRecorder, mgr, cfg, run, lengths: list[int]) -> dict:
+    """Run `run()` (-> outputs in prompt order) under the recorder and timers."""
+    prompts_len = cfg["prompt_len"] * len(lengths)
     rec.reset()
     comp0 = getattr(mgr, "num_compactions", 0)
     ev0 = getattr(mgr, "num_tokens_evicted", 0)
     load0 = os.getloadavg()
     c1 = time.process_time()
     t1 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs = run()
     wall = time.perf_counter() - t1
     cpu = time.process_time() - c1
     load1 = os.getloadavg()
     n_out = [len(o.outputs[0].token_ids) for o in outs]
-    finished = sum(o.finished and n == cfg["output_len"] for o, n in zip(outs, n_out))
+    finished = sum(o.finished and n == want for o, n, want in zip(outs, n_out, lengths))
     out_tokens = sum(n_out)
     logical = sum(v[0] for v in rec.last_len.values())
     physical = sum(v[1] for v in rec.last_len.values())
@@ -259,7 +311,7 @@ def timed_generate(llm, rec: StepRecorder, mgr, prompts, params, cfg) -> dict:
         "finished": finished,
         "requests": len(outs),
         "output_tokens": out_tokens,
-        "prompt_tokens": sum(len(p) for p in prompts),
+        "prompt_tokens": prompts_len,
         "out_tok_s": out_tokens / wall,
         "out_tok_per_cpu_s": out_tokens / cpu if cpu else None,
         "steps": steps,
@@ -441,8 +493,10 @@ def plot(results_c: list[dict], results_a: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(t, rs) for t, rs in (("constrained pool", results_c),
-                                     ("memory ample", results_a)) if rs]
+    panels = [(t, rs) for t, rs in (
+        ("constrained, lockstep", [r for r in results_c if r.get("table") == "constrained"]),
+        ("constrained, steady", [r for r in results_c if r.get("table") == "steady"]),
+        ("memory ample", results_a)) if rs]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
     for ax, (title, rs) in zip(axes[0], panels):
         labels = [label(r) if r["policy"] == "none" else f"{r['policy']}\nbudget {r['budget']}"
@@ -497,7 +551,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the fastest one is reported (default 1)")
     p.add_argument("--ample-repeats", type=int, default=1,
                    help="same for the memory-ample configs (default 1)")
-    p.add_argument("--skip-ample", action="store_true", help="only the constrained table")
+    p.add_argument("--workloads", nargs="+", choices=["lockstep", "steady"],
+                   default=["lockstep", "steady"],
+                   help="constrained-pool workloads: all at once with equal lengths "
+                        "(lockstep) and/or staggered arrivals with varied lengths (steady)")
+    p.add_argument("--arrival-gap", type=int, default=2,
+                   help="steady workload: engine steps between arrivals (default 2)")
+    p.add_argument("--skip-ample", action="store_true", help="only the constrained tables")
     p.add_argument("--skip-constrained", action="store_true", help="only the ample table")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the tiny untimed generate before the timed one")
@@ -550,6 +610,9 @@ def configs(args, model: str) -> tuple[list[dict], list[dict]]:
                   num_requests=args.ample_requests, output_len=args.ample_output_len,
                   pool_tokens=args.ample_pool_tokens, repeats=args.ample_repeats)
              for p, b in pol]
+    steady = [dict(c, table="steady", workload="steady", arrival_gap=args.arrival_gap)
+              for c in constrained if "steady" in args.workloads]
+    constrained = [c for c in constrained if "lockstep" in args.workloads] + steady
     if args.skip_constrained:
         constrained = []
     if args.skip_ample:
@@ -598,17 +661,24 @@ def main(argv=None) -> int:
               f"sha1 {next(iter(shas), (None,))[0]}  ")
     print(f"total wall time {total:.0f}s; 1-min load average at start "
           f"{load_start[0]:.1f}, at end {os.getloadavg()[0]:.1f} (shared machine)")
-    if res_c:
-        r0 = constrained[0]
+    for table in ("constrained", "steady"):
+        rows = [r for r in res_c if r.get("table") == table]
+        if not rows:
+            continue
+        r0 = rows[0]
         blocks = math.ceil(r0["pool_tokens"] / r0["block_size"])
-        print(f"\n### Constrained pool: {r0['num_requests']} requests x "
-              f"({r0['prompt_len']} prompt + {r0['output_len']} generated) tokens, "
+        what = (f"{r0['output_len']} generated, all at once" if table == "constrained" else
+                f"{r0['output_len'] // 2}-{3 * r0['output_len'] // 2} generated (seeded), "
+                f"one arrival every {r0['arrival_gap']} steps")
+        print(f"\n### Constrained pool, {'lockstep' if table == 'constrained' else 'steady state'}: "
+              f"{r0['num_requests']} requests x ({r0['prompt_len']} prompt + {what}) tokens, "
               f"pool {r0['pool_tokens']} tokens = {blocks} blocks "
               f"({blocks * r0['block_size'] * bpt} bytes), recent {args.recent}\n")
-        print(table_constrained(res_c))
+        print(table_constrained(rows))
+        print("\n" + notes(rows))
+    if res_c:
         from vllm_kvevict.core.planner import max_blocks_per_request
 
-        print("\n" + notes(res_c))
         bounds = sorted({(r["budget"], max_blocks_per_request(r["budget"], r["block_size"]))
                          for r in res_c if r["policy"] != "none"})
         if bounds:

@@ -56,6 +56,51 @@ def test_budget_above_length_is_token_identical_to_stock(engines, model_path, po
     assert ours == stock_ids(model_path, DTYPE), policy
 
 
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "andpro", "streaming"])
+def test_scoring_every_step_without_eviction_is_token_identical_to_stock(
+        engines, model_path, policy, monkeypatch):
+    """The test above proves the write and attention path only: its requests can
+    never exceed the budget, so the planner marks them unscored. Here each
+    request's budget is 16 tokens under its final length: it may compact, so
+    every step is scored (h2o: each query's attention, through the compiled CPU
+    kernel where it is built; snapkv/andpro: the query window records), yet it
+    never reaches the compaction threshold (budget + one block). Nothing is
+    evicted, and the tokens must equal stock vLLM's. streaming has no scores:
+    the same run proves its path with a budget below the length."""
+    import torch
+    from vllm import SamplingParams
+
+    from vllm_kvevict import cpu_kernel
+    from vllm_kvevict.integration.probe import attach
+    from vllm_kvevict.integration.worker import worker_state
+
+    llm = engines.get(**engine_settings(policy))
+    state = worker_state()
+    seen = {"kernel": 0, "window": 0}
+    real_sums, real_record = cpu_kernel.column_sums, state.query_window.record
+    monkeypatch.setattr(cpu_kernel, "column_sums",
+                        lambda *a: seen.__setitem__("kernel", seen["kernel"] + 1) or real_sums(*a))
+    monkeypatch.setattr(state.query_window, "record", lambda layer, q, placement, scale: (
+        seen.__setitem__("window", seen["window"] + placement.tokens.numel()),
+        real_record(layer, q, placement, scale)))
+    with torch.inference_mode():  # the buffers were made inside vLLM's inference mode
+        for lc in state.layers.values():
+            lc.scores.zero_()
+    tok = llm.get_tokenizer()
+    params = [SamplingParams(temperature=0, max_tokens=STOCK_TOKENS, ignore_eos=True, extra_args={
+        "kv_budget": len(tok(p)["input_ids"]) + STOCK_TOKENS - 16}) for p in PROMPTS]
+    probe = attach(llm)
+    before = totals(probe)
+    ours = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert totals(probe) == before  # nothing evicted
+    if policy == "h2o":
+        assert sum(float(lc.scores.abs().sum()) for lc in state.layers.values()) > 0
+        assert seen["kernel"] > 0 or cpu_kernel.isa() is None
+    if policy in ("snapkv", "andpro"):  # every token's query, in every layer
+        assert seen["window"] >= len(state.layers) * len(PROMPTS) * STOCK_TOKENS
+    assert ours == stock_ids(model_path, DTYPE), policy
+
+
 @pytest.mark.skipif(DTYPE == "bfloat16", reason="the CPU's native dtype is bfloat16: "
                     "test_budget_above_length_is_token_identical_to_stock ran in it")
 def test_budget_above_length_is_token_identical_to_stock_in_bfloat16(fresh_engines, model_path):

@@ -55,23 +55,30 @@ def use_triton(x: torch.Tensor, layout=None) -> bool:
     return m == "triton" or x.is_cuda
 
 
-def cpu_kernel_isa(queries: torch.Tensor, key_cache: torch.Tensor, layout) -> str | None:
+def cpu_kernel_isa(queries: torch.Tensor, keys: torch.Tensor, layout=None) -> str | None:
     """The compiled CPU kernel's instruction path for scoring these queries
-    against this paged CPU cache, or None (the torch path runs).
+    against `keys` (the paged CPU cache in `layout`, or with layout None dense
+    (B, H, n, D) keys), or None (the torch path runs).
 
-    The bf16 path needs bf16 queries and keys; other dtypes take the float32
-    (avx2) path, which any AVX2 CPU runs."""
+    The bf16 paths (amx, avx512bf16) need bf16 queries and keys, and amx a
+    head size of 32-128 in steps of 32; the next path down runs otherwise
+    (float32 data: avx2, which any AVX2 CPU runs)."""
     from vllm_kvevict.core.cpu_layout import KVLayout
 
-    if (mode() == "torch" or key_cache.device.type != "cpu" or not isinstance(layout, KVLayout)
-            or layout.k_tiles is None or layout.block_size % 16 or layout.head_size % 2):
+    if mode() == "torch" or keys.device.type != "cpu" or queries.shape[-1] % 2:
+        return None
+    if layout is not None and (not isinstance(layout, KVLayout) or layout.k_tiles is None
+                               or layout.block_size % 16):
         return None
     from vllm_kvevict import cpu_kernel
 
     isa = cpu_kernel.isa()
-    if isa == "avx512bf16" and not (queries.dtype == key_cache.dtype == torch.bfloat16):
-        isa = "avx2" if cpu_kernel.module().supports("avx2") else None
-    return isa
+    d = queries.shape[-1]
+    if isa == "amx" and (d % 32 or d > 128):
+        isa = "avx512bf16"
+    if isa in ("amx", "avx512bf16") and not (queries.dtype == keys.dtype == torch.bfloat16):
+        isa = "avx2"
+    return isa if isa is None or cpu_kernel.module().supports(isa) else None
 
 
 def triton_module(name: str):

@@ -22,6 +22,8 @@ profile on the 2-core EPYC; the scrape sees the idle state exactly).
     vllm_kvevict_resident_tokens{kind}      running requests' KV tokens:
                                             kind="logical" (seen), "physical" (held)
     vllm_kvevict_compaction_seconds_total{rank}  worker time spent compacting
+    vllm_kvevict_scoring_path_info{rank,path}   where a worker scores: "cpu-kernel
+                                            avx512bf16|avx2", or "torch (why)"
 """
 
 from __future__ import annotations
@@ -146,6 +148,12 @@ class EvictionCollector:
             for s in workers:
                 seconds.add_metric([str(s["rank"])], s["compaction_seconds"])
             yield seconds
+            where = InfoMetricFamily("vllm_kvevict_scoring_path", "Where each worker scores",
+                                     labels=["rank"])
+            for s in workers:
+                if "scoring_path" in s:
+                    where.add_metric([str(s["rank"])], {"path": s["scoring_path"]})
+            yield where
 
 
 _collector: EvictionCollector | None = None

@@ -10,9 +10,11 @@ torch is never loaded stale); a second build finds it there and does nothing.
 Serving never compiles: when no built kernel matches, the torch path runs and
 `path()` says why (the worker logs it once, /metrics carries it).
 
-The instruction path (`isa()`): ``avx512bf16`` where the CPU has it (bf16 x
-bf16 products accumulated in float32 by vdpbf16ps), else ``avx2`` (float32
-FMA). ``VLLM_KVEVICT_CPU_ISA=avx2`` forces the AVX2 path (tests run both).
+The instruction path (`isa()`), best first: ``amx`` where the CPU has AMX-BF16
+(tile products, 16 queries x 16 keys x 32 dims per instruction), ``avx512bf16``
+where it has AVX-512 BF16 (vdpbf16ps), both bf16 x bf16 products accumulated in
+float32; else ``avx2`` (float32 FMA). ``VLLM_KVEVICT_CPU_ISA=avx512bf16`` or
+``=avx2`` forces a path (tests run every path the CPU has).
 ``VLLM_KVEVICT_KERNELS=torch`` turns the kernel off (core/kernel_dispatch.py).
 """
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 NAME = "vllm_kvevict_cpu_scores"
 SOURCE = Path(__file__).with_name("column_sums.cpp")
 CFLAGS = ["-O3", "-std=c++17"]
-ISAS = ("avx512bf16", "avx2")
+ISAS = ("amx", "avx512bf16", "avx2")  # best first
 
 
 def build_dir() -> Path:
@@ -105,10 +107,33 @@ def column_sums(layout, key_cache: torch.Tensor, queries: torch.Tensor, visible:
     key_cache: [NB, H, BS, D] (KVLayout.split); queries (R, Q, H_q, D);
     visible (R, Q) int64, 0 = padding; block_rows (R, nblk) int64."""
     q = queries
-    if path_isa == "avx512bf16":
+    if path_isa in ("amx", "avx512bf16"):
         q = q.to(torch.bfloat16)  # the caller chose this path for bf16 queries
     elif q.dtype != key_cache.dtype:
         q = q.to(torch.float32)
     return module().column_sums(key_cache, block_rows.long().contiguous(), q.contiguous(),
                                 visible.long().contiguous(), float(scale),
                                 list(layout.k_tiles), path_isa)
+
+
+def window_column_sums(q: torch.Tensor, k: torch.Tensor, scale: float, path_isa: str) -> torch.Tensor:
+    """SnapKV's raw window scores from dense keys: (B, w, H_q, D), (B, H, n, D)
+    -> (B, H, n) float32, query t of the window seeing tokens [0, n - w + t]
+    (as `core.window_scores.window_attention`). Each (b, h) becomes a row of
+    one KV head whose keys are 16-token blocks of a padded copy."""
+    b, w, hq, d = q.shape
+    h, n = k.shape[1], k.shape[2]
+    n16 = -(-n // 16) * 16
+    keys = k.new_zeros(b * h, n16, d)
+    keys[:, :n] = k.reshape(b * h, n, d)
+    cache = keys.view(b * h * (n16 // 16), 1, 16, d)
+    rows = torch.arange(b * h * (n16 // 16)).view(b * h, n16 // 16)
+    queries = q.view(b, w, h, hq // h, d).transpose(1, 2).reshape(b * h, w, hq // h, d)
+    visible = torch.arange(n - w + 1, n + 1).clamp(min=1).expand(b * h, w)
+    if path_isa in ("amx", "avx512bf16"):
+        queries = queries.to(torch.bfloat16)
+    elif queries.dtype != cache.dtype:
+        queries = queries.to(torch.float32)
+    out = module().column_sums(cache, rows, queries.contiguous(), visible.contiguous(), float(scale),
+                               [16, d, 0, 0, d, 0, 1], path_isa)  # plain [16][D] blocks
+    return out.view(b, h, n16)[..., :n]

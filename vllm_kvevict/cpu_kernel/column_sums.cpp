@@ -21,6 +21,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -63,14 +65,15 @@ struct RowList {
 };
 
 // The task's query rows: (t, g) with visible > 0, in t order.
-RowList rows_of(const Work& w, int64_t r, int64_t h, int64_t split, int64_t splits) {
+RowList rows_of(const Work& w, int64_t r, int64_t h, int64_t split, int64_t splits,
+                int64_t block = ROWS) {
   RowList out;
   int64_t n = 0;
   for (int64_t t = 0; t < w.nq; ++t) {
     int64_t v = w.visible[r * w.nq + t];
     if (v <= 0) continue;
     for (int64_t g = 0; g < w.g; ++g, ++n) {
-      if ((n / ROWS) % splits != split) continue;
+      if ((n / block) % splits != split) continue;
       out.t.push_back(t);
       out.head.push_back(h * w.g + g);
       out.vis.push_back(v);
@@ -158,6 +161,27 @@ void pack_bf16(const Work& w, int64_t r, int64_t h, int64_t n, uint16_t* out) {
   }
 }
 
+// Logits of ROWS query rows against NC chunks of 16 packed keys:
+// out[j * ld + c * 16 + i] = scale * q_j . k_(c*16+i). Each key vector loaded
+// serves ROWS rows and each broadcast query pair NC chunks.
+template <int NC>
+inline void dot_bf16(const uint16_t* kc, const int32_t* qp, int64_t hp, __m512 scale, float* out,
+                     int64_t ld) {
+  __m512 acc[ROWS][NC];
+  for (int j = 0; j < ROWS; ++j)
+    for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < hp; ++p) {
+    __m512bh kv[NC];
+    for (int c = 0; c < NC; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kc + c * 16 * 2 * hp + p * 32);
+    for (int j = 0; j < ROWS; ++j) {
+      const __m512bh qv = (__m512bh)_mm512_set1_epi32(qp[j * hp + p]);
+      for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_dpbf16_ps(acc[j][c], qv, kv[c]);
+    }
+  }
+  for (int j = 0; j < ROWS; ++j)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + j * ld + c * 16, _mm512_mul_ps(acc[j][c], scale));
+}
+
 void run_bf16(const Work& w, const at::Tensor& q, int64_t r, int64_t h, int64_t split,
               int64_t splits, float* col) {
   RowList rows = rows_of(w, r, h, split, splits);
@@ -179,23 +203,112 @@ void run_bf16(const Work& w, const at::Tensor& q, int64_t r, int64_t h, int64_t 
       std::memcpy(&qp[j * hp], src, d * sizeof(uint16_t));
       bhi = std::max(bhi, rows.vis[b0 + j]);
     }
-    for (int64_t c = 0; c < (bhi + 15) / 16; ++c) {
-      const uint16_t* kc = keys.data() + c * 16 * d;
-      __m512 acc[ROWS];
-      for (int j = 0; j < ROWS; ++j) acc[j] = _mm512_setzero_ps();
-      for (int64_t p = 0; p < hp; ++p) {
-        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kc + p * 32);
-        for (int j = 0; j < ROWS; ++j)
-          acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32(qp[j * hp + p]), kv);
-      }
-      for (int j = 0; j < ROWS; ++j)
-        _mm512_storeu_ps(logits.data() + j * hi + c * 16, _mm512_mul_ps(acc[j], scale));
-    }
+    const int64_t nc = (bhi + 15) / 16;
+    int64_t c = 0;
+    for (; c + 1 < nc; c += 2) dot_bf16<2>(keys.data() + c * 16 * d, qp.data(), hp, scale, logits.data() + c * 16, hi);
+    if (c < nc) dot_bf16<1>(keys.data() + c * 16 * d, qp.data(), hp, scale, logits.data() + c * 16, hi);
     for (int64_t j = 0; j < nb; ++j) softmax_into_512(logits.data() + j * hi, rows.vis[b0 + j], col);
   }
 }
 
 bool has_avx512bf16() { return __builtin_cpu_supports("avx512bf16"); }
+
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------- amx
+// Intel AMX: one tdpbf16ps multiplies a 16 x 32 bf16 tile of queries by a
+// 32 x 16 tile of keys (as [16 pairs][16 keys][2], the packed format above)
+// into 16 x 16 float32 logits; exact bf16 products accumulated in float32.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,amx-tile,amx-bf16")
+
+constexpr int AMX_ROWS = 16;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0, 1 logits (alternating chunks), 2-5 queries (one per 32 dims),
+// 6, 7 keys. Configured per thread (tile state is per thread).
+void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  _tile_loadconfig(&cfg);
+}
+
+template <int KB>
+inline void amx_chunk(const uint16_t* kc, float* out, int64_t ld_bytes, int c) {
+  // one 16-key chunk: C = sum over 32-dim blocks of Q_kk x K_kk
+  if (c % 2 == 0) {
+    _tile_zero(0);
+    _tile_loadd(6, kc, 64); _tile_dpbf16ps(0, 2, 6);
+    if (KB > 1) { _tile_loadd(7, kc + 512, 64); _tile_dpbf16ps(0, 3, 7); }
+    if (KB > 2) { _tile_loadd(6, kc + 1024, 64); _tile_dpbf16ps(0, 4, 6); }
+    if (KB > 3) { _tile_loadd(7, kc + 1536, 64); _tile_dpbf16ps(0, 5, 7); }
+    _tile_stored(0, out, ld_bytes);
+  } else {
+    _tile_zero(1);
+    _tile_loadd(7, kc, 64); _tile_dpbf16ps(1, 2, 7);
+    if (KB > 1) { _tile_loadd(6, kc + 512, 64); _tile_dpbf16ps(1, 3, 6); }
+    if (KB > 2) { _tile_loadd(7, kc + 1024, 64); _tile_dpbf16ps(1, 4, 7); }
+    if (KB > 3) { _tile_loadd(6, kc + 1536, 64); _tile_dpbf16ps(1, 5, 6); }
+    _tile_stored(1, out, ld_bytes);
+  }
+}
+
+template <int KB>
+inline void amx_load_queries(const uint16_t* q, int64_t d) {
+  _tile_loadd(2, q, d * 2);
+  if (KB > 1) _tile_loadd(3, q + 32, d * 2);
+  if (KB > 2) _tile_loadd(4, q + 64, d * 2);
+  if (KB > 3) _tile_loadd(5, q + 96, d * 2);
+}
+
+template <int KB>
+void run_amx(const Work& w, const at::Tensor& q, int64_t r, int64_t h, int64_t split,
+             int64_t splits, float* col) {
+  RowList rows = rows_of(w, r, h, split, splits, AMX_ROWS);
+  if (rows.t.empty()) return;
+  const int64_t d = w.d;
+  const int64_t hi = (*std::max_element(rows.vis.begin(), rows.vis.end()) + 15) / 16 * 16;
+  std::vector<uint16_t> keys(hi * d);
+  pack_bf16(w, r, h, hi, keys.data());
+  std::vector<float> logits(AMX_ROWS * hi);
+  std::vector<uint16_t> qb(AMX_ROWS * d);
+  const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  const __m512 scale = _mm512_set1_ps(w.scale);
+  amx_configure();
+  for (size_t b0 = 0; b0 < rows.t.size(); b0 += AMX_ROWS) {
+    const int64_t nb = std::min<int64_t>(AMX_ROWS, rows.t.size() - b0);
+    int64_t bhi = 0;
+    std::fill(qb.begin(), qb.end(), 0);
+    for (int64_t j = 0; j < nb; ++j) {
+      const uint16_t* src = qd + ((r * w.nq + rows.t[b0 + j]) * w.hq + rows.head[b0 + j]) * d;
+      std::memcpy(&qb[j * d], src, d * sizeof(uint16_t));
+      bhi = std::max(bhi, rows.vis[b0 + j]);
+    }
+    amx_load_queries<KB>(qb.data(), d);
+    const int64_t nc = (bhi + 15) / 16;
+    for (int64_t c = 0; c < nc; ++c)
+      amx_chunk<KB>(keys.data() + c * 16 * d, logits.data() + c * 16, hi * 4, c);
+    for (int64_t j = 0; j < nb; ++j) {
+      float* l = logits.data() + j * hi;
+      for (int64_t i = 0; i < nc * 16; i += 16) _mm512_storeu_ps(l + i, _mm512_mul_ps(_mm512_loadu_ps(l + i), scale));
+      softmax_into_512(l, rows.vis[b0 + j], col);
+    }
+  }
+  _tile_release();
+}
+
+// AMX needs the kernel's permission for the tile state, once per process.
+bool has_amx() {
+  if (!__builtin_cpu_supports("amx-bf16") || !has_avx512bf16()) return false;
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                      18 /* XFEATURE_XTILEDATA */) == 0;
+  return granted;
+}
 
 #pragma GCC pop_options
 
@@ -314,6 +427,7 @@ bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_support
 // ---------------------------------------------------------------- entry
 
 bool supports(const std::string& isa) {
+  if (isa == "amx") return has_amx();
   if (isa == "avx512bf16") return has_avx512bf16();
   if (isa == "avx2") return has_avx2();
   return false;
@@ -340,9 +454,10 @@ at::Tensor column_sums(const at::Tensor& key_cache, const at::Tensor& block_rows
               "block_rows name blocks outside the cache");
   TORCH_CHECK(visible.numel() == 0 || visible.max().item<int64_t>() <= nblk * bs,
               "a query sees past its row's blocks");
-  const bool bf16 = isa == "avx512bf16";
+  const bool amx = isa == "amx", bf16 = amx || isa == "avx512bf16";
   TORCH_CHECK(!bf16 || (key_cache.scalar_type() == at::kBFloat16 && queries.scalar_type() == at::kBFloat16),
-              "the avx512bf16 path takes a bf16 cache and bf16 queries");
+              "the ", isa, " path takes a bf16 cache and bf16 queries");
+  TORCH_CHECK(!amx || (d % 32 == 0 && d <= 128), "the amx path takes head sizes 32, 64, 96, 128");
   TORCH_CHECK(bf16 || queries.scalar_type() == key_cache.scalar_type() || queries.scalar_type() == at::kFloat,
               "queries: the cache dtype or float32");
   TORCH_CHECK(key_cache.scalar_type() == at::kBFloat16 || key_cache.scalar_type() == at::kHalf ||
@@ -363,7 +478,14 @@ at::Tensor column_sums(const at::Tensor& key_cache, const at::Tensor& block_rows
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = i / (r * h), row = i / h % r, head = i % h;
       float* col = o + i * m;
-      if (bf16) {
+      if (amx) {
+        switch (d / 32) {
+          case 1: run_amx<1>(w, queries, row, head, s, splits, col); break;
+          case 2: run_amx<2>(w, queries, row, head, s, splits, col); break;
+          case 3: run_amx<3>(w, queries, row, head, s, splits, col); break;
+          default: run_amx<4>(w, queries, row, head, s, splits, col); break;
+        }
+      } else if (bf16) {
         run_bf16(w, queries, row, head, s, splits, col);
       } else if (key_cache.scalar_type() == at::kBFloat16) {
         queries.scalar_type() == at::kFloat ? run_f32<at::BFloat16, float>(w, queries, row, head, s, splits, col)

@@ -22,6 +22,8 @@ the scores of those tokens in private rows until its first compaction
 
 from __future__ import annotations
 
+import functools
+
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -163,7 +165,9 @@ class WorkerEviction:
     def _write_metrics(self) -> None:
         if self._snapshot is None:
             self._snapshot = Snapshot("worker")
-        self._snapshot.write({"role": "worker", "rank": _worker_rank(),
+        from vllm_kvevict import cpu_kernel
+
+        self._snapshot.write({"role": "worker", "rank": _worker_rank(), "scoring_path": cpu_kernel.path(),
                               "compaction_seconds": self.compaction_seconds})
 
     def _private_of(self, req_id: str, layer: str, st: LayerStack) -> torch.Tensor | None:
@@ -400,6 +404,18 @@ def init_worker_state(vllm_config, cfg: EvictionConfig, block_size: int) -> None
     if _STATE is not None:
         if cfg.offload:
             _STATE.offload = OffloadState(vllm_config.model_config.model)
+        if _STATE.policy.needs_scores or _STATE.policy.window:
+            _log_scoring_path()
+
+
+@functools.lru_cache(maxsize=None)
+def _log_scoring_path() -> None:
+    """Once per process: where scoring runs (the compiled CPU kernel or torch, and why)."""
+    from vllm.logger import init_logger
+
+    from vllm_kvevict import cpu_kernel
+
+    init_logger(__name__).info("vllm_kvevict scoring on CPU tensors: %s", cpu_kernel.path())
 
 
 def worker_state() -> WorkerEviction | None:
