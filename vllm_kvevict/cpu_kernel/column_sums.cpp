@@ -40,10 +40,12 @@ constexpr int ROWS = 8;  // query rows per register block
 struct Tiles {
   std::vector<int64_t> tok, dim;  // (BS,) and (D,) offsets, base in tok
   bool amx;  // [BS/16][D/2][16][2]: 16 tokens are one vdpbf16ps operand as stored
+  bool rows;  // [D][BS] (vLLM's vec layout): a dim's tokens are contiguous
   Tiles(const std::vector<int64_t>& t, int64_t bs, int64_t d) : tok(bs), dim(d) {
     for (int64_t i = 0; i < bs; ++i) tok[i] = t[2] + i / t[0] * t[3] + i % t[0] * t[4];
     for (int64_t k = 0; k < d; ++k) dim[k] = k / t[1] * t[5] + k % t[1] * t[6];
     amx = t[0] == 16 && t[1] == 2 && t[4] == 2 && t[5] == 32 && t[6] == 1 && t[3] == 16 * d;
+    rows = t[0] == bs && t[4] == 1 && t[1] == d && t[6] == bs && t[2] == 0;
   }
   int64_t at(int64_t t, int64_t d) const { return tok[t] + dim[d]; }
 };
@@ -113,33 +115,46 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Softmax of row `l` over [0, vis), its probabilities added to `col`.
-void softmax_into_512(float* l, int64_t vis, float* col) {
-  const int64_t full = vis / 16 * 16;
-  const __mmask16 tail = (__mmask16)((1u << (vis - full)) - 1);
-  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < full; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(l + i));
-  if (tail) m = _mm512_mask_max_ps(m, tail, m, _mm512_maskz_loadu_ps(tail, l + full));
-  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-  __m512 s = _mm512_setzero_ps();
-  for (int64_t i = 0; i < full; i += 16) {
-    __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(l + i), mx));
-    _mm512_storeu_ps(l + i, e);
-    s = _mm512_add_ps(s, e);
+// Softmax of `nb` rows of raw (unscaled) logits, row j over [0, vis[j]) with
+// row stride ld, added to `col` over [0, n16) (n16 a multiple of 16, past
+// every vis). Rows are turned into exp(scale * (l - max)) in place, zero past
+// their horizon, then summed into `col` 16 keys at a time over all rows, so
+// `col` is read and written once per block, not once per row.
+void softmax_block_512(float* l, int64_t ld, const int64_t* vis, int64_t nb, int64_t n16,
+                       float scale, float* col) {
+  float inv[32];
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < nb; ++j) {
+    float* row = l + j * ld;
+    const int64_t v = vis[j], full = v / 16 * 16;
+    const __mmask16 tail = (__mmask16)((1u << (v - full)) - 1);
+    __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < full; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(row + i));
+    if (tail) m = _mm512_mask_max_ps(m, tail, m, _mm512_maskz_loadu_ps(tail, row + full));
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t i = 0; i < full; i += 16) {
+      __m512 e = exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + i), mx), sc));
+      _mm512_storeu_ps(row + i, e);
+      s = _mm512_add_ps(s, e);
+    }
+    int64_t i = full;
+    if (tail) {
+      __m512 e = exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + full), mx), sc));
+      e = _mm512_maskz_mov_ps(tail, e);
+      _mm512_storeu_ps(row + full, e);
+      s = _mm512_add_ps(s, e);
+      i += 16;
+    }
+    for (; i < n16; i += 16) _mm512_storeu_ps(row + i, _mm512_setzero_ps());
+    inv[j] = 1.0f / _mm512_reduce_add_ps(s);
   }
-  if (tail) {
-    __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, l + full), mx));
-    e = _mm512_maskz_mov_ps(tail, e);
-    _mm512_mask_storeu_ps(l + full, tail, e);
-    s = _mm512_add_ps(s, e);
+  for (int64_t i = 0; i < n16; i += 16) {
+    __m512 acc = _mm512_loadu_ps(col + i);
+    for (int64_t j = 0; j < nb; ++j)
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(l + j * ld + i), _mm512_set1_ps(inv[j]), acc);
+    _mm512_storeu_ps(col + i, acc);
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(s));
-  for (int64_t i = 0; i < full; i += 16)
-    _mm512_storeu_ps(col + i, _mm512_fmadd_ps(_mm512_loadu_ps(l + i), inv, _mm512_loadu_ps(col + i)));
-  if (tail)
-    _mm512_mask_storeu_ps(col + full, tail,
-                          _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, l + full), inv,
-                                          _mm512_maskz_loadu_ps(tail, col + full)));
 }
 
 // Keys [0, n) (n a multiple of 16) of (r, h) as vdpbf16ps operands:
@@ -155,6 +170,18 @@ void pack_bf16(const Work& w, int64_t r, int64_t h, int64_t n, uint16_t* out) {
       std::memcpy(dst, src + T.tok[t % w.bs], 16 * d * sizeof(uint16_t));
       continue;
     }
+    if (T.rows) {  // interleave dims 2p and 2p + 1 of 16 tokens: one vpermw
+      const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+      const uint16_t* base = src + t % w.bs;
+      for (int64_t p = 0; p < d / 2; ++p) {
+        const __m256i a = _mm256_loadu_si256((const __m256i*)(base + 2 * p * w.bs));
+        const __m256i b = _mm256_loadu_si256((const __m256i*)(base + (2 * p + 1) * w.bs));
+        const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+        _mm512_storeu_si512(dst + p * 32, _mm512_permutexvar_epi16(idx, ab));
+      }
+      continue;
+    }
     for (int64_t i = 0; i < 16; ++i)
       for (int64_t k = 0; k < d; ++k)
         dst[(k / 2) * 32 + i * 2 + (k % 2)] = src[T.at((t + i) % w.bs, k)];
@@ -162,10 +189,10 @@ void pack_bf16(const Work& w, int64_t r, int64_t h, int64_t n, uint16_t* out) {
 }
 
 // Logits of ROWS query rows against NC chunks of 16 packed keys:
-// out[j * ld + c * 16 + i] = scale * q_j . k_(c*16+i). Each key vector loaded
+// out[j * ld + c * 16 + i] = q_j . k_(c*16+i) (unscaled). Each key vector loaded
 // serves ROWS rows and each broadcast query pair NC chunks.
 template <int NC>
-inline void dot_bf16(const uint16_t* kc, const int32_t* qp, int64_t hp, __m512 scale, float* out,
+inline void dot_bf16(const uint16_t* kc, const int32_t* qp, int64_t hp, float* out,
                      int64_t ld) {
   __m512 acc[ROWS][NC];
   for (int j = 0; j < ROWS; ++j)
@@ -179,7 +206,7 @@ inline void dot_bf16(const uint16_t* kc, const int32_t* qp, int64_t hp, __m512 s
     }
   }
   for (int j = 0; j < ROWS; ++j)
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + j * ld + c * 16, _mm512_mul_ps(acc[j][c], scale));
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + j * ld + c * 16, acc[j][c]);
 }
 
 void run_bf16(const Work& w, const at::Tensor& q, int64_t r, int64_t h, int64_t split,
@@ -193,7 +220,6 @@ void run_bf16(const Work& w, const at::Tensor& q, int64_t r, int64_t h, int64_t 
   std::vector<float> logits(ROWS * hi);
   std::vector<int32_t> qp(ROWS * hp);
   const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  const __m512 scale = _mm512_set1_ps(w.scale);
   for (size_t b0 = 0; b0 < rows.t.size(); b0 += ROWS) {
     const int64_t nb = std::min<int64_t>(ROWS, rows.t.size() - b0);
     int64_t bhi = 0;
@@ -205,9 +231,9 @@ void run_bf16(const Work& w, const at::Tensor& q, int64_t r, int64_t h, int64_t 
     }
     const int64_t nc = (bhi + 15) / 16;
     int64_t c = 0;
-    for (; c + 1 < nc; c += 2) dot_bf16<2>(keys.data() + c * 16 * d, qp.data(), hp, scale, logits.data() + c * 16, hi);
-    if (c < nc) dot_bf16<1>(keys.data() + c * 16 * d, qp.data(), hp, scale, logits.data() + c * 16, hi);
-    for (int64_t j = 0; j < nb; ++j) softmax_into_512(logits.data() + j * hi, rows.vis[b0 + j], col);
+    for (; c + 1 < nc; c += 2) dot_bf16<2>(keys.data() + c * 16 * d, qp.data(), hp, logits.data() + c * 16, hi);
+    if (c < nc) dot_bf16<1>(keys.data() + c * 16 * d, qp.data(), hp, logits.data() + c * 16, hi);
+    softmax_block_512(logits.data(), hi, rows.vis.data() + b0, nb, nc * 16, w.scale, col);
   }
 }
 
@@ -278,7 +304,6 @@ void run_amx(const Work& w, const at::Tensor& q, int64_t r, int64_t h, int64_t s
   std::vector<float> logits(AMX_ROWS * hi);
   std::vector<uint16_t> qb(AMX_ROWS * d);
   const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  const __m512 scale = _mm512_set1_ps(w.scale);
   amx_configure();
   for (size_t b0 = 0; b0 < rows.t.size(); b0 += AMX_ROWS) {
     const int64_t nb = std::min<int64_t>(AMX_ROWS, rows.t.size() - b0);
@@ -293,11 +318,7 @@ void run_amx(const Work& w, const at::Tensor& q, int64_t r, int64_t h, int64_t s
     const int64_t nc = (bhi + 15) / 16;
     for (int64_t c = 0; c < nc; ++c)
       amx_chunk<KB>(keys.data() + c * 16 * d, logits.data() + c * 16, hi * 4, c);
-    for (int64_t j = 0; j < nb; ++j) {
-      float* l = logits.data() + j * hi;
-      for (int64_t i = 0; i < nc * 16; i += 16) _mm512_storeu_ps(l + i, _mm512_mul_ps(_mm512_loadu_ps(l + i), scale));
-      softmax_into_512(l, rows.vis[b0 + j], col);
-    }
+    softmax_block_512(logits.data(), hi, rows.vis.data() + b0, nb, nc * 16, w.scale, col);
   }
   _tile_release();
 }
