@@ -86,7 +86,8 @@ def modules(model: str, args) -> dict:
     return {kind: [r[1:] for r in rows if r[0] == kind] for kind in ("plain", "modules")}
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The main job's settings, the model resolved (benchmarks/demo_ratio.py runs `run` with them)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: the converted SmolLM2-135M")
     p.add_argument("--budget", type=int, default=160)
@@ -94,10 +95,16 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--pool-mib", type=int, default=256)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     from vllm_kvevict.models import ensure_smollm2
 
-    model = args.model or ensure_smollm2()
+    args.model = args.model or ensure_smollm2()
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    model = args.model
     rows = [run(model, policy, args)
             for policy in ("none", "h2o", "snapkv", "andpro", "streaming")]
     print(f"\n{args.requests} requests, budget {args.budget} tokens, block size {args.block_size}")
