@@ -183,7 +183,7 @@ H2O_SERVER_ARGS = ("--kv-eviction", "h2o", "--kv-budget", "64", "--max-num-seqs"
 # kills the server). Every other file is a group of its own (its tests share
 # its engines).
 GROUPS = {
-    "tensor_parallel": ("test_tensor_parallel.py", "test_ray.py"),
+    "tensor_parallel": ("test_tensor_parallel.py", "test_ray.py", "test_pipeline_parallel.py"),
     "calibrated": ("test_infinigen_calibrate.py", "test_infinigen_engine.py",
                    "test_infinigen_server.py"),
     "h2o_server": ("test_load.py", "test_soak.py", "test_server.py", "test_worker_fault.py"),
@@ -201,7 +201,8 @@ GROUP_SECONDS = {"h2o_server": 236, "tensor_parallel": 216, "calibrated": 140,
                  "test_h2o_reference.py": 36, "test_prompt_modules_security.py": 33,
                  "test_prompt_modules_server.py": 26, "test_prompt_modules_engines.py": 25,
                  "test_request_budget.py": 25, "test_prompt_modules_quality.py": 25,
-                 "test_prompt_modules_server_limits.py": 23, "test_gpu_check.py": 17,
+                 "test_prompt_modules_server_limits.py": 23, "test_cpu_kernel.py": 20,
+                 "test_gpu_check.py": 17,
                  "test_triton_aot.py": 10,
                  "test_prompt_modules.py": 10, "test_triton_kernels.py": 7,
                  "test_skewing.py": 2, "test_import_graph.py": 2}

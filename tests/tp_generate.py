@@ -6,7 +6,9 @@ scheduler-side KV managers counted (compactions, evicted tokens, blocks).
 
 RUNS is a JSON list of engines to run one after the other in this process, e.g.
 `[{"tp": 1, "policy": "h2o", "budget": 32}, {"tp": 2, "policy": "h2o", "budget": 32}]`;
-`"backend": "ray"` runs a tp > 1 engine on vLLM's Ray executor (default `mp`)
+`"pp": 2` adds pipeline parallel (default 1), `"compiled": true` runs with
+torch.compile instead of eager; `"backend": "ray"` runs an engine of
+more than one worker (tp x pp > 1) on vLLM's Ray executor (default `mp`)
 over a local Ray instance this process starts (on 127.0.0.1 only) and stops.
 Policy `stock` runs vLLM with our plugin disabled (VLLM_PLUGINS=""); since
 plugins load once per process, either every run is `stock` or none is.
@@ -31,12 +33,13 @@ imports vllm_kvevict, which a stock process must not even import.
 Prints one line `RUN=<json>` as each run ends (so the runs before a failing one
 are still read) and, after the last, one line `RESULT=<json>`: the list of all.
 A run's result has `seconds` (engine start to shutdown) and, with the plugin,
-`workers` (per rank: pid, rank, plugin live, Ray actor and node, CPUs). Per pass
+`workers` (per worker: pid, TP rank, PP stage, plugin live, Ray actor and node,
+CPUs). Per pass
 it has `ids` (per prompt) and, with the plugin, `compactions`, `evicted` (token
 slots returned, summed over requests), `max_blocks` (the most blocks one request
 held in any step), `pool_whole` (no block in use at the end) and `kept` (per
-rank: its KV heads and compactions, see `compaction_history`), each counted over
-that pass alone. A run with `passes` reports them as `passes` (a list, in order,
+worker: its layers, KV heads, compactions and H2O score mass, see
+`compaction_history`), each counted over that pass alone. A run with `passes` reports them as `passes` (a list, in order,
 each with its `budget` and `seconds`); a run without, at the top level of its
 result, as one pass.
 """
@@ -72,12 +75,13 @@ def record_compactions(worker) -> dict:
     numbered from 0 again."""
     import os
 
-    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
     from vllm_kvevict.integration.worker import worker_state
 
     state = worker_state()
     info = {"pid": os.getpid(), "rank": get_tensor_model_parallel_rank(),
+            "stage": get_pp_group().rank_in_group,
             "plugin": state is not None, "ray_actor": None,
             "cpus": process_cpus()}
     try:
@@ -91,6 +95,11 @@ def record_compactions(worker) -> dict:
     if state is None:
         return info
     state.record_kept, state.history = True, []
+    import torch
+
+    with torch.inference_mode():  # the buffers are inference tensors
+        for st in state._stacks():
+            st.scores.zero_()  # nothing runs between passes: `scored` counts this pass's
     if not hasattr(state, "history_order"):
         state.history_order = {}  # req_id -> first-seen number, this pass
         compact = state._compact
@@ -109,21 +118,27 @@ def record_compactions(worker) -> dict:
 
 
 def compaction_history(worker) -> dict:
-    """The KV heads this rank scores, and its compactions: [request (first-seen
-    order), logical length, kept positions (L, H_local, n)]."""
+    """The layers this worker holds (its pipeline stage's, in the order of the
+    kept positions' first axis), the KV heads it scores, its compactions:
+    [request (first-seen order), logical length, kept positions (L, H_local, n)],
+    and `scored`: the H2O attention mass its score buffers took this pass
+    (> 0: the scoring path ran here)."""
     from vllm_kvevict.integration.worker import worker_state
 
     state = worker_state()
-    return {"kv_heads": sorted({lc.scores.shape[0] for lc in state.layers.values()}),
+    stacks = state._stacks()
+    return {"layers": [name for st in stacks for name in st.names],
+            "kv_heads": sorted({lc.scores.shape[0] for lc in state.layers.values()}),
+            "scored": sum(float(st.scores.sum()) for st in stacks),
             "history": sorted(state.history, key=lambda h: (h[0], h[1]))}
 
 
-def make_llm(model: str, kv_bytes: int, **kwargs):
-    """An engine with conftest.make_llm's settings."""
+def make_llm(model: str, kv_bytes: int, eager: bool = True, **kwargs):
+    """An engine with conftest.make_llm's settings (eager=False: torch.compile)."""
     from vllm import LLM
 
     kwargs.setdefault("max_model_len", 2048)
-    return LLM(model, enforce_eager=True, seed=0, kv_cache_memory_bytes=kv_bytes, **kwargs)
+    return LLM(model, enforce_eager=eager, seed=0, kv_cache_memory_bytes=kv_bytes, **kwargs)
 
 
 def close(llm) -> None:
@@ -175,9 +190,9 @@ if __name__ == "__main__":
         # rendezvous, message queues) are all 127.0.0.1. Read when ray is
         # imported, so before vLLM or the plugin imports it.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    max_tp = max(run["tp"] for run in args.runs)
-    if max_tp > 1:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(max_tp))
+    max_workers = max(run["tp"] * run.get("pp", 1) for run in args.runs)
+    if max_workers > 1:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(max_workers))
     # In-process engine core: its scheduler (the KV managers, the BlockPool) is read.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     kv_bytes = args.kv_bytes or (96 << 20) * (2 if args.dtype == "float32" else 1)
@@ -190,8 +205,9 @@ if __name__ == "__main__":
     for run in args.runs:
         t0 = time.perf_counter()
         kw = {"tensor_parallel_size": run["tp"], "dtype": args.dtype,
-              "block_size": args.block_size, "enable_prefix_caching": False}
-        if run["tp"] > 1:
+              "block_size": args.block_size, "enable_prefix_caching": False,
+              "pipeline_parallel_size": run.get("pp", 1)}
+        if run["tp"] * run.get("pp", 1) > 1:
             kw["distributed_executor_backend"] = run.get("backend", "mp")
         if not stock:
             kw["additional_config"] = {"kv_eviction": run["policy"], "kv_budget": run["budget"]}
@@ -204,9 +220,10 @@ if __name__ == "__main__":
             # ray.shutdown() below, or at this process's exit on an error (Ray's
             # atexit hook); if this process is killed, Ray's agent processes
             # stay: tests/tp_runs.py kills this process's whole session after.
-            ray.init(address="local", num_cpus=run["tp"], include_dashboard=False,
+            ray.init(address="local", num_cpus=run["tp"] * run.get("pp", 1),
+                     include_dashboard=False,
                      object_store_memory=200 << 20, _node_ip_address="127.0.0.1")
-        llm = make_llm(args.model, kv_bytes, **kw)
+        llm = make_llm(args.model, kv_bytes, eager=not run.get("compiled"), **kw)
         result, passes = {}, []
         if not stock:
             from vllm_kvevict.integration.probe import attach

