@@ -124,7 +124,9 @@ def test_kept_sets_equal_float64s_at_a_flush_shape(isa):
 
 def test_score_queries_runs_the_kernel_and_agrees_with_the_torch_path(monkeypatch):
     """The production entry (core/scores.score_queries) goes through the kernel
-    by default, and its per-slot scores equal the torch path's."""
+    by default, which adds into the score slots itself (into a strided view, as
+    a layer's rows of a stack's scores are), and its per-slot scores equal the
+    torch path's; nothing outside the view is touched."""
     if cpu_kernel.module() is None:
         pytest.fail("the CPU kernel is not built: scripts/setup.sh builds it")
     gen = torch.Generator().manual_seed(3)
@@ -133,11 +135,13 @@ def test_score_queries_runs_the_kernel_and_agrees_with_the_torch_path(monkeypatc
     visible = torch.tensor([[100, 101, 102], [60, 0, 0]])
     queries = torch.randn(2, 3, 9, 64, generator=gen).bfloat16()
     calls = []
-    real = cpu_kernel.column_sums
-    monkeypatch.setattr(cpu_kernel, "column_sums", lambda *a: calls.append(a[-1]) or real(*a))
-    got = torch.zeros(3, NB * 32)
+    real = cpu_kernel.add_column_sums
+    monkeypatch.setattr(cpu_kernel, "add_column_sums", lambda *a: calls.append(a[-1]) or real(*a))
+    stack = torch.zeros(3, 2 * NB * 32)
+    got = stack[:, NB * 32:]
     scores.score_queries(got, layout, kc, queries, visible, rows, 0.125)
-    assert calls == [cpu_kernel.isa()]
+    assert stack[:, :NB * 32].abs().max() == 0
+    assert calls == [cpu_kernel.isa()]  # no shared blocks: the kernel adds into the slots
     monkeypatch.setenv("VLLM_KVEVICT_KERNELS", "torch")
     want = torch.zeros(3, NB * 32)
     scores.score_queries(want, layout, kc, queries, visible, rows, 0.125)

@@ -77,9 +77,10 @@ def test_scoring_every_step_without_eviction_is_token_identical_to_stock(
     llm = engines.get(**engine_settings(policy))
     state = worker_state()
     seen = {"kernel": 0, "window": 0}
-    real_sums, real_record = cpu_kernel.column_sums, state.query_window.record
-    monkeypatch.setattr(cpu_kernel, "column_sums",
-                        lambda *a: seen.__setitem__("kernel", seen["kernel"] + 1) or real_sums(*a))
+    real_record = state.query_window.record
+    for name in ("column_sums", "add_column_sums"):
+        monkeypatch.setattr(cpu_kernel, name, lambda *a, f=getattr(cpu_kernel, name): (
+            seen.__setitem__("kernel", seen["kernel"] + 1) or f(*a)))
     monkeypatch.setattr(state.query_window, "record", lambda layer, q, placement, scale: (
         seen.__setitem__("window", seen["window"] + placement.tokens.numel()),
         real_record(layer, q, placement, scale)))

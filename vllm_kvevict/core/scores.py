@@ -75,6 +75,11 @@ def score_queries(scores: torch.Tensor, layout, key_cache: torch.Tensor,
     if isa is not None:  # the compiled kernel reads the paged cache itself
         from vllm_kvevict import cpu_kernel
 
+        if private is None or all(p is None for p in private):
+            # no shared blocks among the rows: the kernel adds into the slots
+            cpu_kernel.add_column_sums(scores, layout, key_cache, queries, visible,
+                                       block_rows, scale, isa)
+            return
         acc = cpu_kernel.column_sums(layout, key_cache, queries, visible, block_rows, scale, isa)
     else:
         # Rows in groups whose keys and logits fit in cache (_GROUP_ELEMENTS), so

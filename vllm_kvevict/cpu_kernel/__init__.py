@@ -100,20 +100,34 @@ def path() -> str:
     return f"cpu-kernel {chosen}" if chosen else "torch (this CPU has neither AVX-512 BF16 nor AVX2+FMA)"
 
 
+def _queries(q: torch.Tensor, cache_dtype: torch.dtype, path_isa: str) -> torch.Tensor:
+    if path_isa in ("amx", "avx512bf16"):
+        return q.to(torch.bfloat16).contiguous()  # the dispatcher chose it for bf16 queries
+    return (q if q.dtype == cache_dtype else q.to(torch.float32)).contiguous()
+
+
 def column_sums(layout, key_cache: torch.Tensor, queries: torch.Tensor, visible: torch.Tensor,
                 block_rows: torch.Tensor, scale: float, path_isa: str) -> torch.Tensor:
     """(R, H, M) float32 summed softmax rows, as `core.scores._column_sums`.
 
     key_cache: [NB, H, BS, D] (KVLayout.split); queries (R, Q, H_q, D);
     visible (R, Q) int64, 0 = padding; block_rows (R, nblk) int64."""
-    q = queries
-    if path_isa in ("amx", "avx512bf16"):
-        q = q.to(torch.bfloat16)  # the caller chose this path for bf16 queries
-    elif q.dtype != key_cache.dtype:
-        q = q.to(torch.float32)
-    return module().column_sums(key_cache, block_rows.long().contiguous(), q.contiguous(),
+    return module().column_sums(key_cache, block_rows.long().contiguous(),
+                                _queries(queries, key_cache.dtype, path_isa),
                                 visible.long().contiguous(), float(scale),
                                 list(layout.k_tiles), path_isa)
+
+
+def add_column_sums(scores: torch.Tensor, layout, key_cache: torch.Tensor, queries: torch.Tensor,
+                    visible: torch.Tensor, block_rows: torch.Tensor, scale: float,
+                    path_isa: str) -> None:
+    """`column_sums` added straight into scores (H, NB * BS) at each row's slots,
+    for the keys its queries reach: no (R, H, M) buffer, no scatter in torch.
+    Rows must not share a block (shared blocks take private score rows)."""
+    module().add_column_sums(scores, key_cache, block_rows.long().contiguous(),
+                             _queries(queries, key_cache.dtype, path_isa),
+                             visible.long().contiguous(), float(scale),
+                             list(layout.k_tiles), path_isa)
 
 
 def window_column_sums(q: torch.Tensor, k: torch.Tensor, scale: float, path_isa: str) -> torch.Tensor:
@@ -130,10 +144,7 @@ def window_column_sums(q: torch.Tensor, k: torch.Tensor, scale: float, path_isa:
     rows = torch.arange(b * h * (n16 // 16)).view(b * h, n16 // 16)
     queries = q.view(b, w, h, hq // h, d).transpose(1, 2).reshape(b * h, w, hq // h, d)
     visible = torch.arange(n - w + 1, n + 1).clamp(min=1).expand(b * h, w)
-    if path_isa in ("amx", "avx512bf16"):
-        queries = queries.to(torch.bfloat16)
-    elif queries.dtype != cache.dtype:
-        queries = queries.to(torch.float32)
-    out = module().column_sums(cache, rows, queries.contiguous(), visible.contiguous(), float(scale),
+    out = module().column_sums(cache, rows, _queries(queries, cache.dtype, path_isa),
+                               visible.contiguous(), float(scale),
                                [16, d, 0, 0, d, 0, 1], path_isa)  # plain [16][D] blocks
     return out.view(b, h, n16)[..., :n]

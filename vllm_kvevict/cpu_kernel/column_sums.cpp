@@ -454,9 +454,15 @@ bool supports(const std::string& isa) {
   return false;
 }
 
-at::Tensor column_sums(const at::Tensor& key_cache, const at::Tensor& block_rows,
-                       const at::Tensor& queries, const at::Tensor& visible, double scale,
-                       std::vector<int64_t> tiles, const std::string& isa) {
+// The column sums of every (row, KV head), either returned as (R, H, M)
+// float32 (scores undefined) or added straight into scores[h, slot] for the
+// keys each row's queries reach (slot = block * BS + offset). The scatter is
+// race-free only when no two rows name the same block: the caller sends rows
+// with shared blocks (private scores) through the returned form.
+at::Tensor column_sums_impl(const at::Tensor& key_cache, const at::Tensor& block_rows,
+                            const at::Tensor& queries, const at::Tensor& visible, double scale,
+                            std::vector<int64_t> tiles, const std::string& isa,
+                            const c10::optional<at::Tensor>& scores) {
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.device().is_cpu(), "key_cache: [NB, H, BS, D] on CPU");
   TORCH_CHECK(queries.dim() == 4 && queries.is_contiguous(), "queries: contiguous (R, Q, H_q, D)");
   TORCH_CHECK(block_rows.dim() == 2 && block_rows.scalar_type() == at::kLong && block_rows.is_contiguous(),
@@ -483,48 +489,94 @@ at::Tensor column_sums(const at::Tensor& key_cache, const at::Tensor& block_rows
               "queries: the cache dtype or float32");
   TORCH_CHECK(key_cache.scalar_type() == at::kBFloat16 || key_cache.scalar_type() == at::kHalf ||
               key_cache.scalar_type() == at::kFloat, "cache dtype: bf16, fp16 or float32");
+  const bool scatter = scores.has_value();
+  float* sc = nullptr;
+  int64_t slots = 0;  // row stride of scores
+  if (scatter) {
+    TORCH_CHECK(scores->scalar_type() == at::kFloat && scores->dim() == 2 && scores->stride(1) == 1 &&
+                scores->size(0) == h && scores->size(1) == key_cache.size(0) * bs,
+                "scores: float32 (H, NB * BS), slots contiguous");
+    sc = scores->data_ptr<float>();
+    slots = scores->stride(0);
+  }
   Work w{key_cache, block_rows.data_ptr<int64_t>(), nblk, bs, d, hq / h, nq, hq,
          visible.data_ptr<int64_t>(),
          Tiles(tiles, bs, d),
          static_cast<float>(scale)};
   const int64_t m = nblk * bs;
+  std::vector<int64_t> reach(r, 0);  // keys some query of the row sees
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t t = 0; t < nq; ++t) reach[i] = std::max(reach[i], w.visible[i * nq + t]);
+  auto run = [&](int64_t row, int64_t head, int64_t s, int64_t splits, float* col) {
+    if (amx) {
+      switch (d / 32) {
+        case 1: run_amx<1>(w, queries, row, head, s, splits, col); break;
+        case 2: run_amx<2>(w, queries, row, head, s, splits, col); break;
+        case 3: run_amx<3>(w, queries, row, head, s, splits, col); break;
+        default: run_amx<4>(w, queries, row, head, s, splits, col); break;
+      }
+    } else if (bf16) {
+      run_bf16(w, queries, row, head, s, splits, col);
+    } else if (key_cache.scalar_type() == at::kBFloat16) {
+      queries.scalar_type() == at::kFloat ? run_f32<at::BFloat16, float>(w, queries, row, head, s, splits, col)
+                                          : run_f32<at::BFloat16, at::BFloat16>(w, queries, row, head, s, splits, col);
+    } else if (key_cache.scalar_type() == at::kHalf) {
+      queries.scalar_type() == at::kFloat ? run_f32<at::Half, float>(w, queries, row, head, s, splits, col)
+                                          : run_f32<at::Half, at::Half>(w, queries, row, head, s, splits, col);
+    } else {
+      run_f32<float, float>(w, queries, row, head, s, splits, col);
+    }
+  };
+  auto add_to_scores = [&](int64_t row, int64_t head, const float* col) {
+    float* dst = sc + head * slots;
+    for (int64_t t = 0; t < reach[row]; ++t) dst[w.blocks[row * nblk + t / bs] * bs + t % bs] += col[t];
+  };
   // Enough tasks for every thread, even for one request's chunk: a (row, head)
   // pair's query rows are split over `splits` tasks, summed afterwards.
   const int64_t threads = at::get_num_threads();
   const int64_t row_blocks = (nq * w.g + ROWS - 1) / ROWS;
   const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(row_blocks, (4 * threads + r * h - 1) / (r * h)));
+  if (scatter && splits == 1) {  // no (R, H, M) buffer: each task scatters its own sums
+    at::parallel_for(0, r * h, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> col(m + 16);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t row = i / h, head = i % h;
+        std::fill(col.begin(), col.begin() + std::min(m, (reach[row] + 15) / 16 * 16), 0.0f);
+        run(row, head, 0, 1, col.data());
+        add_to_scores(row, head, col.data());
+      }
+    });
+    return at::Tensor();
+  }
   at::Tensor out = at::zeros({splits, r, h, m}, at::TensorOptions().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   at::parallel_for(0, splits * r * h, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = i / (r * h), row = i / h % r, head = i % h;
-      float* col = o + i * m;
-      if (amx) {
-        switch (d / 32) {
-          case 1: run_amx<1>(w, queries, row, head, s, splits, col); break;
-          case 2: run_amx<2>(w, queries, row, head, s, splits, col); break;
-          case 3: run_amx<3>(w, queries, row, head, s, splits, col); break;
-          default: run_amx<4>(w, queries, row, head, s, splits, col); break;
-        }
-      } else if (bf16) {
-        run_bf16(w, queries, row, head, s, splits, col);
-      } else if (key_cache.scalar_type() == at::kBFloat16) {
-        queries.scalar_type() == at::kFloat ? run_f32<at::BFloat16, float>(w, queries, row, head, s, splits, col)
-                                            : run_f32<at::BFloat16, at::BFloat16>(w, queries, row, head, s, splits, col);
-      } else if (key_cache.scalar_type() == at::kHalf) {
-        queries.scalar_type() == at::kFloat ? run_f32<at::Half, float>(w, queries, row, head, s, splits, col)
-                                            : run_f32<at::Half, at::Half>(w, queries, row, head, s, splits, col);
-      } else {
-        run_f32<float, float>(w, queries, row, head, s, splits, col);
-      }
-    }
+    for (int64_t i = begin; i < end; ++i) run(i / h % r, i % h, i / (r * h), splits, o + i * m);
   });
-  return splits == 1 ? out[0] : out.sum(0);
+  at::Tensor sums = splits == 1 ? out[0] : out.sum(0);
+  if (!scatter) return sums;
+  const float* sp = sums.data_ptr<float>();
+  for (int64_t i = 0; i < r * h; ++i) add_to_scores(i / h, i % h, sp + i * m);
+  return at::Tensor();
+}
+
+at::Tensor column_sums(const at::Tensor& key_cache, const at::Tensor& block_rows,
+                       const at::Tensor& queries, const at::Tensor& visible, double scale,
+                       std::vector<int64_t> tiles, const std::string& isa) {
+  return column_sums_impl(key_cache, block_rows, queries, visible, scale, tiles, isa, c10::nullopt);
+}
+
+void add_column_sums(at::Tensor scores, const at::Tensor& key_cache, const at::Tensor& block_rows,
+                     const at::Tensor& queries, const at::Tensor& visible, double scale,
+                     std::vector<int64_t> tiles, const std::string& isa) {
+  column_sums_impl(key_cache, block_rows, queries, visible, scale, tiles, isa, scores);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("column_sums", &column_sums, "summed softmax attention per key, from the paged CPU cache");
+  m.def("add_column_sums", &add_column_sums,
+        "the same, added into scores[h, block * BS + offset] (rows must not share blocks)");
   m.def("supports", &supports, "whether this CPU runs the named path (avx512bf16 | avx2)");
 }
