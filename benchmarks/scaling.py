@@ -261,11 +261,11 @@ def run_steps(llm, log: StepLog, timers: Timers | None, prompts, decode: int, ta
     while engine.has_unfinished_requests():
         if timers:
             timers.reset()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         engine.step()
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         steps.append((dt, log.is_decode(len(prompts)), log.resident,
-                      dict(timers.seconds) if timers else {}))
+                      dict(timers.seconds) if timers else {}, cpu))
     return steps
 
 
@@ -287,6 +287,10 @@ def measure(llm, log: StepLog, timers: Timers | None, cfg: dict, batch: int) -> 
         "budget": ctx if cfg["policy"] != "none" else None,
         "decode_steps": len(dec), "steps": len(steps), "wall_s": wall,
         "prefill_s": sum(s[0] for s in steps if not s[1]),
+        # this process's CPU time (engine and worker run in it): what another
+        # process on the machine cannot inflate, unlike wall time
+        "prefill_cpu_s": sum(s[4] for s in steps if not s[1]),
+        "mean_cpu_ms": statistics.fmean(1000 * s[4] for s in dec) if dec else None,
         "mean_ms": statistics.fmean(ms) if ms else None,
         "median_ms": statistics.median(ms) if ms else None,
         "min_ms": min(ms, default=None), "max_ms": max(ms, default=None),
@@ -306,6 +310,13 @@ def warm_up(llm, log: StepLog, cfg: dict) -> None:
     run_steps(llm, log, None, prompts, 8, "warm")
 
 
+def scoring_path() -> str:
+    """Where this engine scores (the compiled CPU kernel's path, or torch and why)."""
+    from vllm_kvevict import cpu_kernel
+
+    return cpu_kernel.path()
+
+
 def worker_main(cfg: dict) -> None:
     """Child: build the engine, then serve points read as JSON lines on stdin."""
     t0 = time.perf_counter()
@@ -315,7 +326,8 @@ def worker_main(cfg: dict) -> None:
     timers = install_timers() if cfg["policy"] != "none" else None
     info = {"init_s": time.perf_counter() - t0, "manager": type(log.manager).__name__,
             "num_gpu_blocks": log.sched.kv_cache_manager.block_pool.num_gpu_blocks,
-            "plugin_sha1": plugin_fingerprint(), "git_head": git_head()}
+            "plugin_sha1": plugin_fingerprint(), "git_head": git_head(),
+            "scoring_path": scoring_path()}
     _emit(READY_MARKER, info)
     for line in sys.stdin:
         point = json.loads(line)
@@ -442,7 +454,7 @@ def table(results: list[dict]) -> str:
     cols = ["batch", "ctx", "policy", "stock ms/step", "plugin ms/step", "overhead ms",
             "overhead %", "median ms stock / plugin", "compactions (per req)",
             "scoring ms/step", "compaction ms/step", "bookkeeping ms/step", "other ms/step",
-            "resident tok/req stock / plugin"]
+            "CPU ms/step stock / plugin (overhead)", "resident tok/req stock / plugin"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---:|" * len(cols)]
     for s, p in rows(results):
         lines.append("| " + " | ".join(str(c) for c in _cells(s, p)) + " |")
@@ -453,7 +465,7 @@ def _cells(s: dict, p: dict) -> list:
     head = [p["batch"], p["ctx"], p["policy"]]
     if not (s.get("ok") and p.get("ok")):
         err = p.get("error") if not p.get("ok") else s.get("error", "no stock run")
-        return head + [f"FAILED: {err}"] + [""] * 10
+        return head + [f"FAILED: {err}"] + [""] * 11
     over = p["mean_ms"] - s["mean_ms"]
     bd = p["breakdown_ms"]
     other = over - sum(bd.values())
@@ -461,18 +473,28 @@ def _cells(s: dict, p: dict) -> list:
         f"{s['mean_ms']:.1f}", f"{p['mean_ms']:.1f}", f"{over:+.1f}",
         f"{100 * over / s['mean_ms']:+.1f}%", f"{s['median_ms']:.1f} / {p['median_ms']:.1f}",
         f"{p['compactions']} ({p['compactions'] / p['batch']:.1f})",
-        *(f"{bd[c]:.2f}" for c in CATEGORIES), f"{other:+.2f}",
+        *(f"{bd[c]:.2f}" for c in CATEGORIES), f"{other:+.2f}", _cpu(s, p),
         f"{s['resident']:.0f} / {p['resident']:.0f}"]
+
+
+def _cpu(s: dict, p: dict) -> str:
+    if s.get("mean_cpu_ms") is None or p.get("mean_cpu_ms") is None:
+        return "-"
+    return (f"{s['mean_cpu_ms']:.1f} / {p['mean_cpu_ms']:.1f} "
+            f"({100 * (p['mean_cpu_ms'] / s['mean_cpu_ms'] - 1):+.1f}%)")
 
 
 def prefill_table(results: list[dict]) -> str:
     """Stock's and the plugin's prefill of each point (the whole batch in one step)."""
-    lines = ["| batch | ctx | policy | stock prefill s | plugin prefill s | plugin / stock |",
-             "|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| batch | ctx | policy | stock prefill s | plugin prefill s | plugin / stock "
+             "| CPU s stock / plugin (ratio) |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for s, p in rows(results):
         if s.get("ok") and p.get("ok"):
+            cpu = "-" if "prefill_cpu_s" not in p else (
+                f"{s['prefill_cpu_s']:.1f} / {p['prefill_cpu_s']:.1f} "
+                f"({p['prefill_cpu_s'] / s['prefill_cpu_s']:.2f}x)")
             lines.append(f"| {p['batch']} | {p['ctx']} | {p['policy']} | {s['prefill_s']:.1f} | "
-                         f"{p['prefill_s']:.1f} | {p['prefill_s'] / s['prefill_s']:.2f}x |")
+                         f"{p['prefill_s']:.1f} | {p['prefill_s'] / s['prefill_s']:.2f}x | {cpu} |")
     return "\n".join(lines)
 
 
@@ -526,6 +548,9 @@ def report(results, skipped, args, wall: float, cmd: str) -> str:
            f"{MAX_MODEL_LEN}, enforce_eager, prefix caching off, greedy, ignore_eos; "
            f"{args.decode} decode tokens per request; plugin budget = ctx  ",
            f"plugin source (git/sha1): {', '.join(heads) or '-'}  ",
+           "scoring path: " + ", ".join(sorted({f"{r['policy']}@{r['ctx']}: {r.get('scoring_path')}"
+                                               for r in results if r.get("ok")
+                                               and r["policy"] != "none"})) + "  ",
            f"total wall time {wall / 60:.1f} min", "", table(results), ""]
     if skipped:
         out.append("skipped: " + "; ".join(f"batch {b} x ctx {c} ({why})"
@@ -533,7 +558,9 @@ def report(results, skipped, args, wall: float, cmd: str) -> str:
     out.append("\nms/step = mean over decode steps (all requests decoding); overhead = "
                "plugin - stock means; breakdown = plugin time per decode step by timers "
                "(see the docstring of benchmarks/scaling.py); resident = mean tokens "
-               "attended per request.")
+               "attended per request; CPU ms/step = this process's CPU time per decode "
+               "step (engine and worker run in it), which another process on the machine "
+               "cannot inflate as it does wall time.")
     out += ["", "Prefill in the same run:", "", prefill_table(results)]
     return "\n".join(out)
 

@@ -9,13 +9,16 @@
 // padding query, which adds nothing. Keys are read in place through the
 // block table and the in-block tile layout that KVLayout discovered (no gather
 // in torch), one task's keys packed once into a small buffer and reused by all
-// its queries; logits live in a (ROWS x keys) float32 tile, never an n x n matrix.
+// its queries; logits live in a (8 or 16 rows x keys) float32 tile, never a
+// queries x keys matrix.
 //
-// Two instruction paths, chosen at run time by the caller (vllm_kvevict.cpu_kernel):
-//   avx512bf16  bf16 q and k, vdpbf16ps: bf16 pairs multiplied exactly and
-//               accumulated in float32 (the logits are float32-accurate)
-//   avx2        any cache dtype converted to float32, FMA (float32 throughout)
-// Softmax, exp and the column sums are float32 on both.
+// Three instruction paths, chosen at run time by the caller (vllm_kvevict.cpu_kernel):
+//   amx         bf16 q and k, AMX tile products (16 queries x 16 keys x 32 dims)
+//   avx512bf16  bf16 q and k, vdpbf16ps (16 keys x 2 dims per instruction)
+//               both: bf16 products are exact in float32 and accumulated in
+//               float32, so the logits are float32-accurate
+//   avx2        any cache dtype widened to float32, FMA (float32 throughout)
+// Softmax, exp and the column sums are float32 on all three.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -50,8 +53,8 @@ struct Tiles {
   int64_t at(int64_t t, int64_t d) const { return tok[t] + dim[d]; }
 };
 
-// One unit of parallel work: key head h of row r, and the row blocks
-// split, split + splits, ... of its query rows (balances causal chunks).
+// What every task reads. A task is (row r, KV head h, split s): the row
+// blocks s, s + splits, ... of its query rows (interleaved: balances causal chunks).
 struct Work {
   const at::Tensor& cache;  // [NB, H, BS, D] strided view
   const int64_t* blocks;    // (R, nblk)
@@ -87,7 +90,7 @@ RowList rows_of(const Work& w, int64_t r, int64_t h, int64_t split, int64_t spli
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
-// Cache element (t, d) of row r, head h, as its raw storage type.
+// The (block, head) base of token t of row r, in the cache's storage type.
 template <typename T>
 inline const T* key_base(const Work& w, int64_t r, int64_t h, int64_t t) {
   const int64_t blk = w.blocks[r * w.nblk + t / w.bs];
