@@ -1,0 +1,101 @@
+"""The compiled CPU scoring kernel against the torch path, at the shapes the
+engine scores: decode-log flushes (rows = layer x request, 32 queries each)
+and causal prefill chunks, SmolLM2-135M's heads (3 KV heads, GQA 3, D 64),
+block 32, in vLLM's bf16 cache layouts (`amx` on AMX CPUs, `vec` elsewhere).
+
+    python benchmarks/cpu_kernel.py [--threads 1] [--reps 5] [--md OUT.md]
+
+Each cell is the median of --reps calls after one warm-up, ms; GMAC/s counts
+the logits' multiply-adds (queries x visible keys x D) only. Paths the CPU
+lacks are left out. Both sides score the same keys read from the same paged
+cache (the torch path gathers them first, as it does in the engine).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+import torch
+
+H, G, D, BS = 3, 3, 64, 32
+SHAPES = [  # (name, rows, queries per row, keys, causal)
+    ("flush 16 req x 30 layers @ 192", 480, 32, 192, False),
+    ("flush 8 req x 30 layers @ 1,024", 240, 32, 1024, False),
+    ("flush 1 req x 30 layers @ 4,096", 30, 32, 4096, False),
+    ("flush 1 req x 30 layers @ 8,000", 30, 32, 8000, False),
+    ("prefill chunk 256 @ 4,096 (1 layer)", 1, 256, 4096, True),
+    ("prefill 2,048 causal (1 layer)", 1, 2048, 2048, True),
+]
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--md", help="also write the table here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    from vllm import _custom_ops as ops
+
+    from vllm_kvevict import cpu_kernel
+    from vllm_kvevict.core import scores
+    from vllm_kvevict.core.cpu_layout import KVLayout
+
+    mod = cpu_kernel.module()
+    if mod is None:
+        raise SystemExit(cpu_kernel.path())
+    paths = [i for i in cpu_kernel.ISAS if mod.supports(i)]
+    layout_isa = "amx" if torch.cpu._is_amx_tile_supported() else "vec"
+    layout = KVLayout.discover(ops.cpu_attn_reshape_and_cache, layout_isa, torch.bfloat16, BS, D, H)
+    gen = torch.Generator().manual_seed(0)
+    nb = 4096
+    kv = torch.randn(nb, H, BS, 2 * D, generator=gen).bfloat16()
+    kc, _ = layout.split(kv)
+    cols = ["shape", "torch ms", *(f"{i} ms (x torch)" for i in paths), f"best GMAC/s"]
+    lines = ["| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
+    for name, r, nq, n, causal in SHAPES:
+        nblk = -(-n // BS)
+        rows = torch.stack([torch.randperm(nb, generator=gen)[:nblk] for _ in range(r)])
+        q = torch.randn(r, nq, H * G, D, generator=gen).bfloat16()
+        vis = (torch.arange(n - nq + 1, n + 1).expand(r, nq) if causal
+               else torch.full((r, nq), n)).contiguous()
+        macs = int(vis.sum()) * H * G * D
+        t_torch = median_ms(lambda: scores._column_sums(layout, kc, q, vis, rows, 0.125), args.reps)
+        cells, best = [], float("inf")
+        for isa in paths:
+            t = median_ms(lambda: cpu_kernel.column_sums(layout, kc, q, vis, rows, 0.125, isa),
+                          args.reps)
+            best = min(best, t)
+            cells.append(f"{t:.2f} ({t_torch / t:.1f}x)")
+        lines.append(f"| {name} | {t_torch:.2f} | " + " | ".join(cells) + f" | {macs / best / 1e6:.0f} |")
+        print(lines[-1], file=sys.stderr, flush=True)
+    flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split()
+    head = [f"command: `{' '.join([os.path.relpath(sys.executable)] + sys.argv)}`  ",
+            f"CPU: {platform.processor() or platform.machine()}, flags `"
+            + " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
+            + f"`; {args.threads} thread(s); vLLM cache layout `{layout_isa}`, bf16; "
+            f"median of {args.reps}", ""]
+    text = "\n".join(head + lines)
+    print(text)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
