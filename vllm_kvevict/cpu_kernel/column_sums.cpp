@@ -101,20 +101,21 @@ inline const T* key_base(const Work& w, int64_t r, int64_t h, int64_t t) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
 
-// exp for x <= 0 (Cephes expf polynomial, ~1 ulp), scalef does the 2^n.
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-103.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+// 2^t for t <= 0: t = n + f with n integer and |f| <= 1/2, 2^f by its degree-6
+// Taylor polynomial (relative error under 1.3e-7, about one float32 ulp), 2^n by
+// scalef. The softmax below computes exp(x) as 2^(x log2 e), the log2 e folded
+// into the scale: 10 vector operations per 16 values instead of 14.
+inline __m512 exp2_512(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-150.0f));  // 2^-150 rounds to 0
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -126,7 +127,8 @@ inline __m512 exp512(__m512 x) {
 void softmax_block_512(float* l, int64_t ld, const int64_t* vis, int64_t nb, int64_t n16,
                        float scale, float* col) {
   float inv[32];
-  const __m512 sc = _mm512_set1_ps(scale);
+  const float c = scale * 1.44269504088896341f;  // exp(scale * x) = 2^(c * x)
+  const __m512 vc = _mm512_set1_ps(c);
   for (int64_t j = 0; j < nb; ++j) {
     float* row = l + j * ld;
     const int64_t v = vis[j], full = v / 16 * 16;
@@ -134,16 +136,16 @@ void softmax_block_512(float* l, int64_t ld, const int64_t* vis, int64_t nb, int
     __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t i = 0; i < full; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(row + i));
     if (tail) m = _mm512_mask_max_ps(m, tail, m, _mm512_maskz_loadu_ps(tail, row + full));
-    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    const __m512 mc = _mm512_set1_ps(_mm512_reduce_max_ps(m) * c);
     __m512 s = _mm512_setzero_ps();
     for (int64_t i = 0; i < full; i += 16) {
-      __m512 e = exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + i), mx), sc));
+      __m512 e = exp2_512(_mm512_fmsub_ps(_mm512_loadu_ps(row + i), vc, mc));
       _mm512_storeu_ps(row + i, e);
       s = _mm512_add_ps(s, e);
     }
     int64_t i = full;
     if (tail) {
-      __m512 e = exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + full), mx), sc));
+      __m512 e = exp2_512(_mm512_fmsub_ps(_mm512_loadu_ps(row + full), vc, mc));
       e = _mm512_maskz_mov_ps(tail, e);
       _mm512_storeu_ps(row + full, e);
       s = _mm512_add_ps(s, e);
