@@ -18,7 +18,8 @@
 # This machine (CPU, one node, loopback; this is what was run here):
 #   bash examples/serve_ray_tp.sh [MODEL]                 # TP 2
 #   TP=1 PP=2 bash examples/serve_ray_tp.sh [MODEL]       # PP 2
-#   TP=2 PP=2 bash examples/serve_ray_tp.sh [MODEL]       # TP 2 x PP 2: 4 workers, 2 cores
+#   TP=2 PP=2 bash examples/serve_ray_tp.sh [MODEL]       # TP 2 x PP 2: 4 workers on
+#       2 cores: it started and generated at about 1 tok/s here (interrupted); use >= 4 cores
 # A Ray head on 127.0.0.1 with one CPU per worker, then `vllm serve` at TP x PP
 # over it (patches/ray_on_cpu.py lets the CPU platform use vLLM's Ray executor);
 # VLLM_CPU_OMP_THREADS_BIND puts worker i on core i mod (cores), e.g. "0|1".
