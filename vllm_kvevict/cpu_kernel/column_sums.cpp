@@ -297,21 +297,52 @@ inline void amx_load_queries(const uint16_t* q, int64_t d) {
   if (KB > 3) _tile_loadd(5, q + 96, d * 2);
 }
 
+// Head sizes up to 64 (two 32-dim blocks): 32 query rows per block, in two
+// 16-row halves (tiles 2-3 and 4-5) that share each loaded key tile, so a key
+// tile is read from cache once per 32 rows, not 16.
+template <int KB>
+inline void amx_chunk_pair(const uint16_t* kc, float* out, int64_t ld) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_loadd(6, kc, 64);
+  _tile_dpbf16ps(0, 2, 6);
+  _tile_dpbf16ps(1, 4, 6);
+  if (KB > 1) {
+    _tile_loadd(7, kc + 512, 64);
+    _tile_dpbf16ps(0, 3, 7);
+    _tile_dpbf16ps(1, 5, 7);
+  }
+  _tile_stored(0, out, ld * 4);
+  _tile_stored(1, out + 16 * ld, ld * 4);
+}
+
+template <int KB>
+inline void amx_load_query_pair(const uint16_t* q, int64_t d) {
+  _tile_loadd(2, q, d * 2);
+  _tile_loadd(4, q + 16 * d, d * 2);
+  if (KB > 1) {
+    _tile_loadd(3, q + 32, d * 2);
+    _tile_loadd(5, q + 16 * d + 32, d * 2);
+  }
+}
+
 template <int KB>
 void run_amx(const Work& w, const at::Tensor& q, int64_t r, int64_t h, int64_t split,
              int64_t splits, float* col) {
-  RowList rows = rows_of(w, r, h, split, splits, AMX_ROWS);
+  constexpr bool pair = KB <= 2;  // 32 rows per block (amx_chunk_pair), else 16
+  constexpr int64_t block = pair ? 2 * AMX_ROWS : AMX_ROWS;
+  RowList rows = rows_of(w, r, h, split, splits, block);
   if (rows.t.empty()) return;
   const int64_t d = w.d;
   const int64_t hi = (*std::max_element(rows.vis.begin(), rows.vis.end()) + 15) / 16 * 16;
   std::vector<uint16_t> keys(hi * d);
   pack_bf16(w, r, h, hi, keys.data());
-  std::vector<float> logits(AMX_ROWS * hi);
-  std::vector<uint16_t> qb(AMX_ROWS * d);
+  std::vector<float> logits(block * hi);
+  std::vector<uint16_t> qb(block * d);
   const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   amx_configure();
-  for (size_t b0 = 0; b0 < rows.t.size(); b0 += AMX_ROWS) {
-    const int64_t nb = std::min<int64_t>(AMX_ROWS, rows.t.size() - b0);
+  for (size_t b0 = 0; b0 < rows.t.size(); b0 += block) {
+    const int64_t nb = std::min<int64_t>(block, rows.t.size() - b0);
     int64_t bhi = 0;
     std::fill(qb.begin(), qb.end(), 0);
     for (int64_t j = 0; j < nb; ++j) {
@@ -319,10 +350,16 @@ void run_amx(const Work& w, const at::Tensor& q, int64_t r, int64_t h, int64_t s
       std::memcpy(&qb[j * d], src, d * sizeof(uint16_t));
       bhi = std::max(bhi, rows.vis[b0 + j]);
     }
-    amx_load_queries<KB>(qb.data(), d);
     const int64_t nc = (bhi + 15) / 16;
-    for (int64_t c = 0; c < nc; ++c)
-      amx_chunk<KB>(keys.data() + c * 16 * d, logits.data() + c * 16, hi * 4, c);
+    if (pair) {
+      amx_load_query_pair<KB>(qb.data(), d);
+      for (int64_t c = 0; c < nc; ++c)
+        amx_chunk_pair<KB>(keys.data() + c * 16 * d, logits.data() + c * 16, hi);
+    } else {
+      amx_load_queries<KB>(qb.data(), d);
+      for (int64_t c = 0; c < nc; ++c)
+        amx_chunk<KB>(keys.data() + c * 16 * d, logits.data() + c * 16, hi * 4, c);
+    }
     softmax_block_512(logits.data(), hi, rows.vis.data() + b0, nb, nc * 16, w.scale, col);
   }
   _tile_release();
