@@ -23,7 +23,7 @@ import time
 
 CHILD = ("import json, sys; from vllm_kvevict.demo import run, parse_args; "
          "a = parse_args([]); r = run(a.model, sys.argv[1], a); "
-         "print('@@RESULT@@' + json.dumps({'tok_s': r['tok_s'], 'peak_blocks': r['peak_blocks']}))")
+         "print('@@RESULT@@' + json.dumps({k: r[k] for k in ('tok_s', 'tok_cpu_s', 'peak_blocks')}))")
 
 
 def one(policy: str) -> dict:
@@ -53,25 +53,31 @@ def main(argv=None) -> int:
     from vllm_kvevict import cpu_kernel
 
     runs: dict[str, list[float]] = {k: [] for k in args.policies}
+    cpu: dict[str, list[float]] = {k: [] for k in args.policies}
     t0 = time.time()
     for r in range(args.rounds):
         k = r % len(args.policies)
         for policy in args.policies[k:] + args.policies[:k]:
             res = one(policy)
             runs[policy].append(res["tok_s"])
-            print(f"round {r + 1}: {policy:9s} {res['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+            cpu[policy].append(res["tok_cpu_s"])
+            print(f"round {r + 1}: {policy:9s} {res['tok_s']:.1f} tok/s, "
+                  f"{res['tok_cpu_s']:.1f} tok/CPU-s", file=sys.stderr, flush=True)
     stock = runs.get("none")
     lines = [f"command: `{' '.join([os.path.relpath(sys.executable)] + sys.argv)}`  ",
              f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, flags "
              f"`{cpu_flags()}`; scoring path: {cpu_kernel.path()}; {args.rounds} rounds, "
              f"{time.time() - t0:.0f} s",
-             "", "| policy | median out tok/s | runs | median ratio to stock (per round) |",
-             "|---|---:|---|---:|"]
+             "", "| policy | median out tok/s | runs | median ratio to stock (per round) "
+             "| median tok per CPU-s | ratio to stock |", "|---|---:|---|---:|---:|---:|"]
     for policy, vals in runs.items():
-        ratio = "" if stock is None or policy == "none" else \
-            f"{statistics.median(v / s for v, s in zip(vals, stock)):.2f}x"
+        ratio = cpu_ratio = ""
+        if stock is not None and policy != "none":
+            ratio = f"{statistics.median(v / s for v, s in zip(vals, stock)):.2f}x"
+            cpu_ratio = f"{statistics.median(v / s for v, s in zip(cpu[policy], cpu['none'])):.2f}x"
         lines.append(f"| {policy} | {statistics.median(vals):.1f} | "
-                     f"{', '.join(f'{v:.1f}' for v in vals)} | {ratio} |")
+                     f"{', '.join(f'{v:.1f}' for v in vals)} | {ratio} | "
+                     f"{statistics.median(cpu[policy]):.1f} | {cpu_ratio} |")
     text = "\n".join(lines)
     print(text)
     if args.md:

@@ -38,15 +38,17 @@ def run(model: str, policy: str, args) -> dict:
     messages = [[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
                 for i in range(args.requests)]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outputs = llm.chat(messages, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     seen = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outputs)
     evicted = sum(getattr(m, "num_tokens_evicted", 0) for m in probe.managers())
     result = dict(policy=policy, peak_blocks=probe.peak_used_blocks,
                   max_blocks_req=probe.max_blocks_per_request,
                   kept=seen - evicted, seen=seen,
                   tok_s=sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed,
+                  # per CPU second of this process (engine and worker run in it)
+                  tok_cpu_s=sum(len(o.outputs[0].token_ids) for o in outputs) / cpu,
                   text=outputs[0].outputs[0].text)
     close(llm)
     return result
