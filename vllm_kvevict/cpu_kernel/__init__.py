@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import logging
 import os
 import sys
 from pathlib import Path
@@ -104,6 +105,13 @@ def _queries(q: torch.Tensor, cache_dtype: torch.dtype, path_isa: str) -> torch.
     if path_isa in ("amx", "avx512bf16"):
         return q.to(torch.bfloat16).contiguous()  # the dispatcher chose it for bf16 queries
     return (q if q.dtype == cache_dtype else q.to(torch.float32)).contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def log_path_once() -> None:
+    """Log `path()` once per process (the worker calls this at startup); under
+    vLLM's "vllm" logger, so it prints with vLLM's own lines."""
+    logging.getLogger("vllm.kvevict").info("vllm_kvevict scoring on CPU tensors: %s", path())
 
 
 def column_sums(layout, key_cache: torch.Tensor, queries: torch.Tensor, visible: torch.Tensor,

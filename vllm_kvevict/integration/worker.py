@@ -18,11 +18,13 @@ token is written there (a reused block never inherits stale importance). A
 request whose first blocks may be shared (prefix hit, prompt modules) keeps
 the scores of those tokens in private rows until its first compaction
 (core/private_scores.py), so no two requests ever add into one slot.
+
+One file because `WorkerEviction` is one process's state, read and changed by
+every step hook (begin_step, placement, compaction, metrics); it splits by
+concern once policies own their scoring and blocks are decided in the core.
 """
 
 from __future__ import annotations
-
-import functools
 
 import time
 from collections.abc import Callable
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 
+from vllm_kvevict import cpu_kernel
 from vllm_kvevict.core.chunk_log import ChunkLog
 from vllm_kvevict.core.compaction import by_age, fill_holes, slot_order
 from vllm_kvevict.core.config import EvictionConfig
@@ -165,8 +168,6 @@ class WorkerEviction:
     def _write_metrics(self) -> None:
         if self._snapshot is None:
             self._snapshot = Snapshot("worker")
-        from vllm_kvevict import cpu_kernel
-
         self._snapshot.write({"role": "worker", "rank": _worker_rank(), "scoring_path": cpu_kernel.path(),
                               "compaction_seconds": self.compaction_seconds})
 
@@ -405,17 +406,7 @@ def init_worker_state(vllm_config, cfg: EvictionConfig, block_size: int) -> None
         if cfg.offload:
             _STATE.offload = OffloadState(vllm_config.model_config.model)
         if _STATE.policy.needs_scores or _STATE.policy.window:
-            _log_scoring_path()
-
-
-@functools.lru_cache(maxsize=None)
-def _log_scoring_path() -> None:
-    """Once per process: where scoring runs (the compiled CPU kernel or torch, and why)."""
-    from vllm.logger import init_logger
-
-    from vllm_kvevict import cpu_kernel
-
-    init_logger(__name__).info("vllm_kvevict scoring on CPU tensors: %s", cpu_kernel.path())
+            cpu_kernel.log_path_once()
 
 
 def worker_state() -> WorkerEviction | None:
