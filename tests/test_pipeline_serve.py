@@ -31,7 +31,11 @@ H2O = ("--kv-eviction", "h2o", "--kv-budget", "64")
 PP2 = ("--pipeline-parallel-size", "2")
 ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1",
        # Ray on loopback only (see tests/tp_generate.py); read by every Ray process.
-       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+       # A Ray instance of the server's own: without it, ray.init() joins the
+       # newest cluster on the machine (/tmp/ray/ray_current_cluster), e.g. the
+       # TP tests' on the other xdist worker, and hangs when that one stops.
+       "RAY_ADDRESS": "local"}
 PROMPT = "Write a long story about a lighthouse keeper."
 
 
