@@ -83,11 +83,9 @@ def main(argv=None) -> int:
             cells.append(f"{t:.2f} ({t_torch / t:.1f}x)")
         lines.append(f"| {name} | {t_torch:.2f} | " + " | ".join(cells) + f" | {macs / best / 1e6:.0f} |")
         print(lines[-1], file=sys.stderr, flush=True)
-    flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split()
     head = [f"command: `{' '.join([os.path.relpath(sys.executable)] + sys.argv)}`  ",
-            f"CPU: {platform.processor() or platform.machine()}, flags `"
-            + " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
-            + f"`; {args.threads} thread(s); vLLM cache layout `{layout_isa}`, bf16; "
+            f"CPU: {platform.processor() or platform.machine()}, flags `{cpu_kernel.cpu_flags()}`"
+            f"; {args.threads} thread(s); vLLM cache layout `{layout_isa}`, bf16; "
             f"median of {args.reps}", ""]
     text = "\n".join(head + lines)
     print(text)

@@ -36,14 +36,6 @@ def one(policy: str) -> dict:
     return json.loads(line[len("@@RESULT@@"):])
 
 
-def cpu_flags() -> str:
-    try:
-        flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split()
-    except (OSError, IndexError):
-        return "?"
-    return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -66,7 +58,7 @@ def main(argv=None) -> int:
     stock = runs.get("none")
     lines = [f"command: `{' '.join([os.path.relpath(sys.executable)] + sys.argv)}`  ",
              f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, flags "
-             f"`{cpu_flags()}`; scoring path: {cpu_kernel.path()}; {args.rounds} rounds, "
+             f"`{cpu_kernel.cpu_flags()}`; scoring path: {cpu_kernel.path()}; {args.rounds} rounds, "
              f"{time.time() - t0:.0f} s",
              "", "| policy | median out tok/s | runs | median ratio to stock (per round) "
              "| median tok per CPU-s | ratio to stock |", "|---|---:|---|---:|---:|---:|"]

@@ -88,6 +88,16 @@ def isa() -> str | None:
     return next((i for i in ISAS if mod.supports(i)), None)
 
 
+def cpu_flags() -> str:
+    """The CPU flags that decide the paths (for benchmark reports), or "?"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read().split("flags")[1].split("\n")[0].split()
+    except (OSError, IndexError):
+        return "?"
+    return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
+
+
 def path() -> str:
     """One line: which scoring path runs on CPU tensors here, and why."""
     from vllm_kvevict.core.kernel_dispatch import mode
