@@ -204,3 +204,19 @@ def test_a_second_build_reuses_the_first():
     out = subprocess.run([sys.executable, "-m", "vllm_kvevict.cpu_kernel", "build"],
                          capture_output=True, text=True, check=True, timeout=120)
     assert "already built" in out.stdout
+
+
+@pytest.mark.parametrize("isa", _isas())
+def test_snapkv_window_sums_match_float64(isa):
+    """SnapKV's window through the kernel (dense keys cut into 16-token blocks,
+    n not a multiple of 16) against the torch window attention in float64."""
+    from vllm_kvevict.core.window_scores import raw_scores_torch
+
+    gen = torch.Generator().manual_seed(11)
+    dtype = torch.float32 if isa == "avx2" else torch.bfloat16
+    q = torch.randn(3, 32, 9, 64, generator=gen).to(dtype)
+    k, v = (torch.randn(3, 3, 203, 64, generator=gen).to(dtype) for _ in range(2))
+    got = cpu_kernel.window_column_sums(q, k, 0.125, isa)
+    want = raw_scores_torch("snapkv", q.double(), k.double(), v.double(), 0.125)
+    assert got.shape == (3, 3, 203)
+    assert (got.double() - want).norm() / want.norm() < 2e-6
