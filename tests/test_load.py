@@ -3,7 +3,12 @@ requests at once (completions and chat, some cancelled mid-stream) under H2O at
 a budget that evicts. Afterwards vLLM's own accounting must show the pool whole
 (`vllm:kv_cache_usage_perc` and running requests back to 0), no response may
 carry another request's code word, and nothing may fail. Timings are not
-asserted (they live in the benchmark's table)."""
+asserted (they live in the benchmark's table). The benchmark's comparison of
+solo re-sends with stock's needs a stock server under the same load, which the
+suite does not start (about a minute of one core); `load.checks` is held to
+made-up rows instead, which shows each of its checks fails on bad data."""
+
+import pytest
 
 from vllm_kvevict.eval import load
 
@@ -20,4 +25,36 @@ def test_load_leaves_pool_whole_and_requests_apart(h2o_server):
     assert row["tokens_evicted"] > 0  # eviction really ran under load
     assert (row["kv_usage_idle"], row["running_idle"]) == (0, 0)
     assert row["mixed"] == []
+    assert row["solo_checked"] == 2  # the solo re-sends ran (compared with stock only in the benchmark)
     assert load.checks([row]) == []
+
+
+def _row(name="x", **over):
+    row = {"server": name, "kv_usage_idle": 0, "running_idle": 0, "mixed": [], "failed": 0,
+           "errors": [], "solo_checked": 10, "solo_same": 10}
+    return {**row, **over}
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"kv_usage_idle": 0.02}, "pool not whole"),
+    ({"running_idle": 1}, "pool not whole"),
+    ({"mixed": [3]}, "another's code"),
+    ({"failed": 1, "errors": ["boom"]}, "requests failed"),
+])
+def test_load_checks_fail_on_a_bad_row(bad, words):
+    """Each per-row check fails on a row that breaks it, alone or as the plugin
+    row beside a good stock row; a good row passes."""
+    assert load.checks([_row()]) == []
+    for rows in ([_row(**bad)], [_row("stock"), _row("h2o", **bad)]):
+        failures = load.checks(rows)
+        assert len(failures) == 1 and words in failures[0], failures
+
+
+def test_load_checks_compare_plugin_with_stock():
+    """Two rows are stock (first) and the plugin (last): the plugin fails when it
+    matches its solo output more than 10 points less often than stock."""
+    stock = _row("stock", solo_same=9)
+    assert load.checks([stock, _row("h2o", solo_same=8)]) == []      # 80% vs 90%
+    assert load.checks([stock, _row("h2o", solo_same=10)]) == []     # better than stock
+    failures = load.checks([stock, _row("h2o", solo_same=7)])       # 70% vs 90%
+    assert len(failures) == 1 and "solo output in 70%" in failures[0], failures
