@@ -323,7 +323,9 @@ def test_streaming_keeps_exactly_sinks_and_recent_and_prefix_caching_is_safe(eng
     """StreamingLLM: after each compaction every (layer, head) holds exactly the
     first 4 logical positions and the newest ones. With prefix caching on, two
     requests sharing a long prompt produce the same tokens as with it off: shared
-    prompt blocks are never written in place by compaction.
+    prompt blocks are never written in place by compaction. That the second
+    request did hit the cache (every whole block of the shared prefix, none
+    with caching off) is read from vLLM's `num_cached_tokens` on its output.
 
     In float32: the kept sets are equal either way, but the prefix hit's
     private copies leave its kept tokens in another slot order, and in bf16
@@ -350,14 +352,21 @@ def test_streaming_keeps_exactly_sinks_and_recent_and_prefix_caching_is_safe(eng
 
         state._compact = spy
         try:
-            outs = []
+            outs, cached = [], []
             for p in prompts:  # one after the other: the second hits the prefix cache
                 out = llm.generate([p], greedy(120, ignore_eos=True), use_tqdm=False)[0]
                 outs.append(list(out.outputs[0].token_ids))
+                cached.append(out.num_cached_tokens)
         finally:
             del state._compact
             state.record_kept = False
         results[caching] = outs
+        # vLLM's own count of prompt tokens served from its prefix cache: with
+        # caching, the second request reuses every whole block of the shared prefix.
+        ids = [llm.get_tokenizer()(p)["input_ids"] for p in prompts]
+        common = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
+        block = llm.llm_engine.vllm_config.cache_config.block_size
+        assert cached[1] == (common // block * block if caching else 0), (caching, cached, common)
         assert seen
         for plan, kept in seen:
             want = list(range(4)) + list(range(plan.logical_len - (plan.new_len - 4),
