@@ -426,6 +426,12 @@ class EvictionConfig:
             return min(self.recent, budget)
         return min(budget, math.ceil(self.recent * length))
 
+    def recent_in_force(self) -> str:
+        """The recent window the policy keeps under these settings, --kv-recent
+        given or not (the info gauge on /metrics)."""
+        return POLICY_CLASSES.get(self.policy, EvictionPolicy).recent_in_force(
+            self.budget, self.recent, self.sink, self.window)
+
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
           "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,

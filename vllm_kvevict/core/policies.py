@@ -91,6 +91,18 @@ class EvictionPolicy(ABC):
         """The recent window inside `budget` when --kv-recent is not given."""
         return budget // 2
 
+    @classmethod
+    def recent_in_force(cls, budget: int | float, recent: int | float | None,
+                        sink: int, window: int) -> str:
+        """The recent window this policy keeps, as /metrics shows it: a count
+        under a token budget, a fraction of each request's length under a
+        fractional one."""
+        if recent is not None:
+            return f"{recent:g}"
+        if isinstance(budget, int):
+            return str(cls.default_recent(budget, window))
+        return f"{budget / 2:g}"
+
 
 class H2OPolicy(EvictionPolicy):
     """Heavy-Hitter Oracle (Zhang et al. 2023, arXiv:2306.14048, Algorithm 1).
@@ -129,6 +141,12 @@ class StreamingPolicy(EvictionPolicy):
         idx = torch.cat([torch.arange(sink), torch.arange(n - (keep - sink), n)])
         return idx.to(scores.device).expand(num_heads, -1).contiguous()
 
+    @classmethod
+    def recent_in_force(cls, budget: int | float, recent: int | float | None,
+                        sink: int, window: int) -> str:
+        # Everything but the sinks is the recent window; --kv-recent plays no part.
+        return str(budget - min(sink, budget)) if isinstance(budget, int) else f"{budget:g} - {sink}"
+
 
 class WindowPolicy(EvictionPolicy):
     """Scored by an observation window (SnapKV, AnDPro): at each compaction, the
@@ -157,6 +175,13 @@ class WindowPolicy(EvictionPolicy):
     @classmethod
     def default_recent(cls, budget: int, window: int) -> int:
         return min(window, budget // 2)  # the papers keep their window
+
+    @classmethod
+    def recent_in_force(cls, budget: int | float, recent: int | float | None,
+                        sink: int, window: int) -> str:
+        if recent is None and not isinstance(budget, int):
+            return f"min({window}, {budget / 2:g})"  # a token count or half the budget
+        return super().recent_in_force(budget, recent, sink, window)
 
     def scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float, recent: int | None = None) -> torch.Tensor:

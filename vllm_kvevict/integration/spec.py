@@ -260,6 +260,7 @@ class EvictableAttentionManager(FullAttentionManager):
                 physical += req.num_computed_tokens - self.evicted.get(rid, 0)
         config = {"policy" if k == "kv_eviction" else k.removeprefix("kv_"): v
                   for k, v in self.cfg.to_dict().items()}
+        config["recent"] = self.cfg.recent_in_force()  # not None when defaulted
         self._snapshot.write({
             "role": "scheduler", "group": self.kv_cache_group_id, "config": config,
             "tokens_evicted": self.num_tokens_evicted, "compactions": self.num_compactions,
