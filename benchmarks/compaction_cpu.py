@@ -57,17 +57,22 @@ def main(argv=None):
     ap.add_argument("--old", type=int, default=4128)
     ap.add_argument("--new", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--layout", default="vec", help="the CPU backend's isa: vec | amx")
+    ap.add_argument("--shared", type=int, default=0,
+                    help="first blocks shared (prefix hit): copied whole before holes fill")
     ap.add_argument("--profile", action="store_true", help="torch.profiler over fill_holes")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    nb = args.old // BS + 8
+    nb = 2 * (args.old // BS) + 8
     buf = torch.randn(LAYERS * nb, HEADS, BS, 2 * D).to(torch.bfloat16)  # all layers, one buffer
-    layout = layout_for_cache(buf[:nb], "vec")
+    layout = layout_for_cache(buf[:nb], args.layout)
     kc, vc = layout.split(buf)
     n_src, n_dst = -(-args.old // BS), -(-args.new // BS)
     blocks = torch.arange(n_src) + 4
     layer = torch.arange(LAYERS)[:, None]
     src_rows = blocks[None] + layer * nb  # (L, n_src)
+    dst_rows = src_rows[:, :n_dst].clone()
+    dst_rows[:, : args.shared] += n_src  # private copies of the shared blocks
     src_slots = token_slots(blocks, args.old, BS)[None] + layer * nb * BS
     dst_slots = token_slots(blocks[:n_dst], args.new, BS)[None] + layer * nb * BS
     all_scores = torch.rand(HEADS, LAYERS * nb * BS)
@@ -81,7 +86,7 @@ def main(argv=None):
         move_scores(all_scores, src_slots, dst_slots, keep_sorted, old=scores)
 
     def holes():
-        fill_holes(layout, kc, vc, src_rows, src_rows[:, :n_dst], keep, args.old, all_scores)
+        fill_holes(layout, kc, vc, src_rows, dst_rows, keep, args.old, all_scores)
 
     if args.profile:
         from torch.profiler import ProfilerActivity, profile

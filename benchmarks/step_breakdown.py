@@ -58,8 +58,9 @@ def one(policy: str, workload: str = "demo") -> dict:
     else:
         from vllm_kvevict.demo import run
 
-        args = argparse.Namespace(budget=160, block_size=32, requests=16, max_tokens=256,
-                                  pool_mib=256)
+        from vllm_kvevict.demo import parse_args
+
+        args = parse_args([])  # the demo's defaults (budget 160, block 32, 16 x 256)
         tok_s = run(ensure_smollm2(), policy, args)["tok_s"]
         wall_s = args.requests * args.max_tokens / tok_s
     return {"policy": policy, "workload": workload, "tok_s": tok_s, "wall_s": wall_s,

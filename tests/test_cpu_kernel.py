@@ -40,9 +40,13 @@ def _isas():
 
 
 def _layout(kind, dtype, bs, d, h):
+    """A KVLayout with `kind`'s tiling, its map written out from the tiles."""
     tiles = TILES[kind](bs, d)
-    dummy = torch.zeros(h, bs, d, dtype=torch.long)
-    return KVLayout(kind, dtype, bs, d, h, dummy, dummy, tiles, tiles)
+    t0, d0, base, st1, st0, sd1, sd0 = tiles
+    t, e = torch.arange(bs).view(1, bs, 1), torch.arange(d).view(1, 1, d)
+    m = (torch.arange(h).view(h, 1, 1) * bs * d + base + t // t0 * st1 + t % t0 * st0
+         + e // d0 * sd1 + e % d0 * sd0)
+    return KVLayout(kind, dtype, bs, d, h, m, m, tiles, tiles)
 
 
 def _cache(kind, dtype, bs, d, h, gen):
@@ -220,3 +224,61 @@ def test_snapkv_window_sums_match_float64(isa):
     want = raw_scores_torch("snapkv", q.double(), k.double(), v.double(), 0.125)
     assert got.shape == (3, 3, 203)
     assert (got.double() - want).norm() / want.norm() < 2e-6
+
+
+@pytest.mark.parametrize("kind", ["amx", "vec", "odd"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("copy_on_write", [False, True])
+def test_compiled_token_moves_equal_the_torch_path(kind, dtype, copy_on_write, monkeypatch):
+    """fill_holes through the kernel's move_tokens/copy_blocks leaves the cache,
+    the scores and the returned slot order bit-identical to the torch path
+    (test_fill_holes holds both to the ordered reference on vLLM's layouts)."""
+    from vllm_kvevict.core.compaction import fill_holes
+
+    mod = cpu_kernel.module()
+    if mod is None:
+        pytest.fail("the CPU kernel is not built: scripts/setup.sh builds it")
+    bs, d, h = 32, 64, 3
+    gen = torch.Generator().manual_seed(11)
+    layout = _layout(kind, dtype, bs, d, h)
+    kv = torch.randn(NB, h, bs, 2 * d, generator=gen).to(dtype)
+    scores = torch.rand(h, NB * bs, generator=gen)
+    src = torch.tensor([[2, 5, 9, 11, 30], [14, 3, 17, 20, 31]])  # two rows (layers)
+    dst = src[:, :3].clone()
+    if copy_on_write:  # both rows' first blocks shared: private copies
+        dst[:, 0] = torch.tensor([35, 36])
+    old_len, new_len = 4 * bs + 7, 2 * bs + 9
+    keep = torch.stack([torch.randperm(old_len, generator=gen)[:new_len] for _ in range(2 * h)])
+    keep = keep.view(2, h, new_len)
+    calls = []
+    for name in ("move_tokens", "copy_blocks"):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
+    results = []
+    for mode in ("auto", "torch"):
+        monkeypatch.setenv("VLLM_KVEVICT_KERNELS", mode)
+        c, sc = kv.clone(), scores.clone()
+        after = fill_holes(layout, *split_kv_cache(c), src, dst, keep, old_len, sc)
+        results.append((c, sc, after))
+    assert calls == ["copy_blocks", "move_tokens"] if copy_on_write else ["move_tokens"]
+    (c1, s1, a1), (c2, s2, a2) = results
+    assert not torch.equal(c1, kv)  # something moved
+    assert torch.equal(c1.view(torch.uint8), c2.view(torch.uint8))
+    assert torch.equal(s1, s2) and torch.equal(a1, a2)
+
+
+def test_bad_moves_are_refused_before_anything_is_written():
+    mod = cpu_kernel.module()
+    if mod is None:
+        pytest.fail("the CPU kernel is not built: scripts/setup.sh builds it")
+    layout = _layout("amx", torch.bfloat16, 32, 64, 2)
+    kv = torch.randn(4, 2, 32, 128).to(torch.bfloat16)
+    before = kv.clone()
+    kc, vc = split_kv_cache(kv)
+    offsets = layout.element_offsets(kc, vc)
+    ok, bad = torch.tensor([0, 1]), torch.tensor([1, 4])  # block 4 of 4
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        mod.move_tokens(kc, vc, *offsets, ok, ok, bad, ok, ok, None)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        mod.copy_blocks(kc, vc, ok, bad)
+    assert torch.equal(kv, before)

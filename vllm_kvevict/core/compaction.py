@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_kvevict.core.kernel_dispatch import cpu_token_mover
+
 
 def compact(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
             src_blocks: torch.Tensor, dst_blocks: torch.Tensor, keep: torch.Tensor,
@@ -122,25 +124,19 @@ def fill_holes(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
     src_blk, src_off = src_blocks[r_b, src // bs], src % bs
     dst_blk, dst_off = dst_blocks[r_b, dst // bs], dst % bs
     copied = (dst_blocks != src_blocks[:, : dst_blocks.shape[1]]).nonzero(as_tuple=True)
-    whole = None
-    if copied[0].numel():  # private copies: (C, 1) blocks, read whole
-        from_blk, to_blk = src_blocks[copied][:, None], dst_blocks[copied][:, None]
-        whole = (layout.gather_keys(key_cache, from_blk, 1),
-                 layout.gather_values(value_cache, from_blk, 1))
+    mover = cpu_token_mover(layout, key_cache)
+    if copied[0].numel():
+        # Private copies first (fresh blocks, no token's source), then their holes.
+        copy_blocks(key_cache, value_cache, scores, src_blocks[copied], dst_blocks[copied], bs,
+                    mover)
+    if mover is not None:  # one pass over the moves, in C++ (vllm_kvevict/cpu_kernel)
+        mover.move_tokens(key_cache, value_cache, *layout.element_offsets(key_cache, value_cache),
+                          src_blk, src_off, dst_blk, dst_off, r_h, scores)
+    else:
+        moved = layout.read_tokens(key_cache, value_cache, src_blk, src_off, heads=r_h)
+        layout.write_tokens(key_cache, value_cache, dst_blk, dst_off, *moved, heads=r_h)
         if scores is not None:
-            cols = torch.arange(bs, device=dev)
-            from_cols, to_cols = from_blk * bs + cols, to_blk * bs + cols  # (C, BS)
-            whole_scores = scores[:, from_cols.flatten()]
-    moved = layout.read_tokens(key_cache, value_cache, src_blk, src_off, heads=r_h)
-    if scores is not None:
-        moved_scores = scores[r_h, src_blk * bs + src_off]
-    if whole is not None:
-        layout.write_blocks(key_cache, value_cache, to_blk, *whole)
-        if scores is not None:
-            scores[:, to_cols.flatten()] = whole_scores
-    layout.write_tokens(key_cache, value_cache, dst_blk, dst_off, *moved, heads=r_h)
-    if scores is not None:
-        scores[r_h, dst_blk * bs + dst_off] = moved_scores
+            scores[r_h, dst_blk * bs + dst_off] = scores[r_h, src_blk * bs + src_off]
     # Where each kept token is now: its own slot, unless it lay past new_len and
     # moved into a hole. Only the movers' entries are looked up (in a map over
     # the tail only): a lookup over every kept token took half of this call.
@@ -151,6 +147,23 @@ def fill_holes(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
     now = keep.clone()
     now[at_r, at_i] = tail[at_r, keep[at_r, at_i] - new_len]
     return now.view(b, h, new_len)
+
+
+def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, scores: torch.Tensor | None,
+                src: torch.Tensor, dst: torch.Tensor, block_size: int, mover=None) -> None:
+    """Copy whole blocks src[i] -> dst[i] (C,) int64, with their scores (H, S)
+    if given. Raw copies along the block axis, which every layout indexes first:
+    the ISA packing inside a block travels as is, nothing is unpacked. mover:
+    the compiled CPU kernel (`cpu_token_mover`), or None (torch)."""
+    if mover is not None:
+        mover.copy_blocks(key_cache, value_cache, src, dst)
+    else:
+        for cache in (key_cache, value_cache):
+            cache.index_copy_(0, dst, cache.index_select(0, src))
+    if scores is not None:
+        cols = torch.arange(block_size, device=scores.device)
+        scores[:, (dst[:, None] * block_size + cols).flatten()] = \
+            scores[:, (src[:, None] * block_size + cols).flatten()]
 
 
 def by_age(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:

@@ -93,6 +93,15 @@ def _fit_tiles(m: torch.Tensor) -> tuple[int, ...] | None:
     return None
 
 
+@functools.lru_cache(maxsize=64)
+def _element_offsets(layout: "KVLayout", which: str, strides: tuple[int, ...]) -> torch.Tensor:
+    """KVLayout.element_offsets of K or V for one view's strides (layouts hash
+    by identity and live as long as `discover`'s cache, so this is computed once)."""
+    m = layout.k_map if which == "k" else layout.v_map
+    _, bs, d = m.shape
+    return (m // (bs * d) * strides[1] + m // d % bs * strides[2] + m % d * strides[3]).contiguous()
+
+
 @dataclass(frozen=True, eq=False)
 class KVLayout:
     """In-block layout of K and V for one (isa, dtype, BS, D, H) combination.
@@ -198,6 +207,15 @@ class KVLayout:
             if x.untyped_storage().data_ptr() == c.untyped_storage().data_ptr():
                 x = x.clone()  # a view of the cache itself could be clobbered mid-scatter
             dst[idx] = x.to(self.dtype).reshape(shape)
+
+    def element_offsets(self, key_cache: torch.Tensor, value_cache: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) ``[H, BS, D]`` int64: where element (head, token, dim) of a block
+        lies, in elements from the block's first element of that ``[NB, H, BS,
+        D]`` view: the discovered map in the view's strides (any layout, tiled
+        or not). What the compiled token mover reads tokens through."""
+        return (_element_offsets(self, "k", key_cache.stride()),
+                _element_offsets(self, "v", value_cache.stride()))
 
     # -- whole blocks ----------------------------------------------------
     def write_blocks(self, key_cache: torch.Tensor, value_cache: torch.Tensor,

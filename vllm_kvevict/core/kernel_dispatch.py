@@ -81,6 +81,20 @@ def cpu_kernel_isa(queries: torch.Tensor, keys: torch.Tensor, layout=None) -> st
     return isa if isa is None or cpu_kernel.module().supports(isa) else None
 
 
+def cpu_token_mover(layout, cache: torch.Tensor):
+    """The compiled CPU kernel's module when it moves tokens of `cache` (the
+    CPU backend's paged cache, `KVLayout`, bf16/fp16/fp32), else None (torch)."""
+    from vllm_kvevict.core.cpu_layout import KVLayout
+
+    if (mode() == "torch" or cache.device.type != "cpu" or not isinstance(layout, KVLayout)
+            or cache.element_size() not in (2, 4)):
+        return None
+    from vllm_kvevict import cpu_kernel
+
+    mod = cpu_kernel.module()
+    return mod if mod is not None and hasattr(mod, "move_tokens") else None
+
+
 def triton_module(name: str):
     """A launcher module of `vllm_kvevict.triton_kernels`, imported on first use
     (importing Triton costs time, and nothing on the CPU path needs it)."""

@@ -31,6 +31,7 @@ import torch
 
 NAME = "vllm_kvevict_cpu_scores"
 SOURCE = Path(__file__).with_name("column_sums.cpp")
+HEADERS = [Path(__file__).with_name("token_moves.h")]  # included by SOURCE
 CFLAGS = ["-O3", "-std=c++17"]
 ISAS = ("amx", "avx512bf16", "avx2")  # best first
 
@@ -38,6 +39,8 @@ ISAS = ("amx", "avx512bf16", "avx2")  # best first
 def build_dir() -> Path:
     """Where this source, built against this torch and Python, lives."""
     h = hashlib.sha256(SOURCE.read_bytes())
+    for header in HEADERS:
+        h.update(header.read_bytes())
     h.update(f"{torch.__version__}|{sys.version}|{CFLAGS}".encode())
     base = os.environ.get("VLLM_KVEVICT_KERNEL_CACHE")
     root = Path(base) if base else Path.home() / ".cache" / "vllm_kvevict" / "cpu_kernel"

@@ -33,6 +33,8 @@
 #include <limits>
 #include <vector>
 
+#include "token_moves.h"
+
 namespace {
 
 constexpr int ROWS = 8;  // query rows per register block
@@ -620,5 +622,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("column_sums", &column_sums, "summed softmax attention per key, from the paged CPU cache");
   m.def("add_column_sums", &add_column_sums,
         "the same, added into scores[h, block * BS + offset] (rows must not share blocks)");
+  m.def("move_tokens", &token_moves::move_tokens,
+        "move tokens (and their scores) between slots of the paged CPU cache, any layout");
+  m.def("copy_blocks", &token_moves::copy_blocks, "copy whole blocks of the paged CPU cache, as packed");
   m.def("supports", &supports, "whether this CPU runs the named path (avx512bf16 | avx2)");
 }
