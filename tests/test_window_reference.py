@@ -7,8 +7,11 @@ tests/window_reference.py: the papers' formulas, one head and one window query
 at a time, over the post-RoPE queries of the newest `window` tokens. The test
 compares, at every compaction (after the prompt or between its chunks, and during decode), the
 kept logical positions of every (layer, KV head), and the greedy tokens.
-Tokens of one AnDPro chunk share a score, so where the budget cuts a chunk the
-engine may keep either: such differences must be exact ties in the reference.
+Tokens of one chunk share a score (both policies max-pool 7 neighbours and sum
+chunks of 4, tests/window_reference.py), so where the budget cuts a chunk the
+engine may keep either: such differences must be ties in the reference's
+scores (within test_h2o_reference's TIE_RTOL), and at least EXACT_FLOOR of the
+kept sets must be exact.
 """
 from __future__ import annotations
 
@@ -26,6 +29,12 @@ from window_reference import keep, selection_scores, token_scores
 
 BUDGET, WINDOW = 64, 32  # recent defaults to the window
 MAX_TOKENS = 72
+# Kept sets that must equal the reference's exactly (the rest are ties the
+# checker explains). Measured on every case here (2026-11-26, 2-core Xeon, fp32,
+# one thread; `pytest -s` prints them): snapkv 234, 251 and 247 of 270 (87-93%),
+# andpro 173, 207 and 187 (64-77%), for the prompt compacted after it, between
+# its chunks and after a prefix hit. The floors sit a little below.
+EXACT_FLOOR = {"snapkv": 0.80, "andpro": 0.60}
 
 
 def dense_window(kind: str, cached: int = 0):
@@ -103,6 +112,7 @@ def test_window_policy_matches_dense_reference(llm, hf, prompts, idx, prefill):
     if prefill == "end":
         assert snaps[0][0].logical_len == len(prompt) == snaps[0][0].old_len
     assert not check.report, "\n".join(check.report[:20])
+    assert check.exact >= EXACT_FLOOR[kind] * check.total, check.summary()
     assert got_tokens == ref_tokens
 
 
@@ -136,6 +146,9 @@ def test_window_policy_with_a_prefix_hit_matches_dense_reference(llm, hf, prompt
     ref_tokens, evictions = h2o_generate(model, prompt, MAX_TOKENS, BUDGET, WINDOW, BLOCK,
                                          chunk=PREFILL["end"][1], on_evict=check,
                                          make_ref=dense_window(kind, cached), cached=cached)
+    print(f"\n{kind} prefix hit: compactions at L={[L for L, _, _ in evictions]}: "
+          f"{check.summary()}")
     assert [p.logical_len for p, _ in snaps] == [L for L, _, _ in evictions]
     assert not check.report, "\n".join(check.report[:20])
+    assert check.exact >= EXACT_FLOOR[kind] * check.total, check.summary()
     assert tokens == ref_tokens
