@@ -1,18 +1,22 @@
 """The main job: one offline batch through stock vLLM, H2O, SnapKV, AnDPro and StreamingLLM.
 
-    python -m vllm_kvevict.demo [--budget 160] [--requests 16] [--max-tokens 256]
+    python -m vllm_kvevict.demo [--budget 160] [--requests 16] [--max-tokens 256] [--verbose]
 
 Prints, per policy, the peak KV blocks held (vLLM's BlockPool), tokens kept vs
 seen, throughput, and the start of each generated text; then prompt modules:
 the same documents in varying order, as plain prompts (prefix caching misses)
 and as PML prompts importing them, with the time to first token of each.
+vLLM's own INFO and WARNING lines (about 240 of them, before the tables) are
+left out unless --verbose; errors still show.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import time
+import warnings
 
 from vllm_kvevict.eval.inprocess import close
 
@@ -33,6 +37,7 @@ def run(model: str, policy: str, args) -> dict:
 
     llm = LLM(model, enforce_eager=True, dtype="bfloat16", block_size=args.block_size,
               max_model_len=2048, kv_cache_memory_bytes=args.pool_mib << 20, seed=0,
+              use_tqdm_on_load=args.verbose,
               additional_config={"kv_eviction": policy, "kv_budget": args.budget})
     probe = attach(llm)
     messages = [[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
@@ -66,7 +71,8 @@ def modules(model: str, args) -> dict:
     from vllm_kvevict.integration import prompt_modules as pm
 
     llm = LLM(model, enforce_eager=True, dtype="bfloat16", block_size=args.block_size,
-              max_model_len=2048, kv_cache_memory_bytes=args.pool_mib << 20, seed=0)
+              max_model_len=2048, kv_cache_memory_bytes=args.pool_mib << 20, seed=0,
+              use_tqdm_on_load=args.verbose)
     docs = {f"d{i}": " ".join(f"Fact {j} about {t}: {t} are studied by scientists who "
                               f"record what they see in notebook number {i * 10 + j}."
                               for j in range(12)) for i, t in enumerate(TOPICS)}
@@ -88,8 +94,20 @@ def modules(model: str, args) -> dict:
     return {kind: [r[1:] for r in rows if r[0] == kind] for kind in ("plain", "modules")}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    """The main job's settings, the model resolved (benchmarks/demo_ratio.py runs `run` with them)."""
+def quiet_vllm() -> None:
+    """Leave out vLLM's INFO and WARNING lines, torch's C++ warnings and
+    Python's FutureWarnings (deprecations inside vLLM); errors still show.
+    Before vLLM and torch are imported, which read these variables once; a
+    level already set in the environment wins."""
+    level = os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # Also now: vLLM configures its logger only later, and lines logged while
+    # it is imported would reach Python's last-resort handler.
+    logging.getLogger("vllm").setLevel(level.upper())
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: the converted SmolLM2-135M")
     p.add_argument("--budget", type=int, default=160)
@@ -97,16 +115,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--pool-mib", type=int, default=256)
-    args = p.parse_args(argv)
-    from vllm_kvevict.models import ensure_smollm2
+    p.add_argument("--verbose", action="store_true", help="show vLLM's INFO and WARNING lines")
+    return p
+
+
+def _with_model(args: argparse.Namespace) -> argparse.Namespace:
+    from vllm_kvevict.models import ensure_smollm2  # converts it once (imports torch)
 
     args.model = args.model or ensure_smollm2()
     return args
 
 
-def main() -> None:
-    args = parse_args()
-    model = args.model
+def parse_args(argv=None) -> argparse.Namespace:
+    """The main job's settings, the model resolved (benchmarks/demo_ratio.py runs `run` with them)."""
+    return _with_model(parser().parse_args(argv))
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    if not args.verbose:
+        quiet_vllm()
+    model = _with_model(args).model
     rows = [run(model, policy, args)
             for policy in ("none", "h2o", "snapkv", "andpro", "streaming")]
     print(f"\n{args.requests} requests, budget {args.budget} tokens, block size {args.block_size}")

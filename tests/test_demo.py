@@ -1,0 +1,38 @@
+"""The main job's output: vLLM's INFO and WARNING lines left out unless
+--verbose, errors kept; benchmarks/demo_ratio.py's way of calling it unchanged."""
+
+import inspect
+import subprocess
+import sys
+
+from vllm_kvevict import demo
+
+# vLLM's logger before and after vLLM configures it (inside LLM(...)), in a
+# fresh process: quiet_vllm must act before vLLM is imported.
+CHILD = """
+from vllm_kvevict import demo
+demo.quiet_vllm()
+import vllm.triton_utils  # logs "Disabling Triton" on CPU, while importing
+from vllm.logger import init_logger, configure_logging_if_needed
+from vllm.config.logging import LoggingConfig
+log = init_logger("vllm.demo_test")
+log.warning("hidden before"); log.error("shown before")
+configure_logging_if_needed(LoggingConfig())
+log.info("hidden after"); log.warning("hidden after"); log.error("shown after")
+"""
+
+
+def test_quiet_keeps_errors_only():
+    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True,
+                         timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert "shown before" in text and "shown after" in text, text[-3000:]
+    assert "hidden" not in text and "Triton" not in text, text[-3000:]
+
+
+def test_demo_ratio_calls_it_as_before():
+    args = demo.parse_args([])  # what demo_ratio.py and step_breakdown.py do
+    assert not args.verbose and args.model
+    assert list(inspect.signature(demo.run).parameters) == ["model", "policy", "args"]
+    assert demo.parser().parse_args(["--verbose"]).verbose
