@@ -138,8 +138,7 @@ def score_step(impl, layer, query, kv_cache, attn_metadata, make_layout) -> None
             state.chunk_log.record(layer.layer_name, query[:n], impl.scale)
             rows = ~placement.deferred if rows is None else rows & ~placement.deferred
         if not placement.score_now:  # every row logged, deferred or unscored
-            zero_new_slots(lc.scores, attn_metadata.slot_mapping, n)
-            return
+            return  # (the builder zeroed the new slots: WorkerEviction.zero_new_slots)
     key_cache, _ = lc.layout.split(kv_cache)
     host = getattr(attn_metadata, HOST_ATTR, None) or HostLens(None, None)
     accumulate_scores(lc.scores, lc.layout, key_cache, query[:n],

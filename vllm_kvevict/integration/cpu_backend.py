@@ -68,6 +68,8 @@ class EvictingCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         placement = self.state.place_queries(cm.num_reqs, cm.query_start_loc_cpu,
                                              cm.seq_lens[: cm.num_reqs].cpu(),
                                              logical.seq_lens[: cm.num_reqs].cpu(), scored)
+        if placement is not None:  # the layers only log: zero new slots here, once
+            self.state.zero_new_slots(cm.slot_mapping, cm.num_actual_tokens)
         setattr(metadata, PLACEMENT_ATTR, placement)
         setattr(metadata, SCORED_ATTR, scored)
         return metadata

@@ -224,6 +224,19 @@ class WorkerEviction:
         placement.defer(self.chunk_log.place(req_ids, q_lens, seq, keep), q_lens, keep)
         return placement
 
+    def zero_new_slots(self, slot_mapping: torch.Tensor, num_tokens: int) -> None:
+        """New tokens start with zero importance, whatever their slot held
+        before: once per step for every layer (one op per layer stack), from the
+        metadata builder, before any layer logs or scores this step's queries.
+        slot_mapping: the step's physical slots, the first num_tokens real."""
+        if not self.policy.needs_scores or not self.layers:
+            return  # no layer yet: its score buffer will be made zeroed
+        slots = slot_mapping[:num_tokens].long()
+        for st in self._stacks():
+            per_layer = st.num_blocks * self.block_size
+            cols = slots[None] + per_layer * torch.arange(st.num_layers, device=slots.device)[:, None]
+            st.scores.index_fill_(1, cols.flatten(), 0.0)
+
     def evicted_per_row(self, num_reqs: int) -> torch.Tensor | None:
         """(num_reqs,) int32 offsets logical - physical in batch order, or None."""
         if not self.evicted or self.runner is None:
