@@ -67,7 +67,7 @@ import json
 import os
 import time
 
-from vllm_kvevict.eval.inprocess import close
+from vllm_kvevict.inprocess import close
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 

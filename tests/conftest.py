@@ -26,7 +26,7 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() and not os.path.exists
 import pytest
 import torch
 
-from vllm_kvevict.eval.inprocess import close, freeze
+from vllm_kvevict.inprocess import close, freeze
 from vllm_kvevict.eval.server import kv_pool_bytes, native_dtype
 
 # The suite runs on pytest-xdist workers (pyproject: `-n auto`, at most one

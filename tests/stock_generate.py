@@ -15,7 +15,7 @@ if __name__ == "__main__":
     os.environ["VLLM_PLUGINS"] = ""  # not even our backend subclass is registered
     from vllm import LLM, SamplingParams
 
-    # The engine's start then collects only what is new (vllm_kvevict/eval/inprocess.py).
+    # The engine's start then collects only what is new (vllm_kvevict/inprocess.py).
     gc.collect()
     gc.freeze()
     atexit.register(gc.unfreeze)  # else Triton's nanobind types report leaks at exit

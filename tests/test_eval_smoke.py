@@ -11,7 +11,7 @@ import json
 import pytest
 from conftest import DTYPE
 
-from vllm_kvevict.eval.texts import ALL_TEXTS, texts_dir
+from vllm_kvevict.passages import ALL_TEXTS, texts_dir
 
 POLICIES = ("h2o", "streaming")
 

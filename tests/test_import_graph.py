@@ -4,7 +4,8 @@
   `patches`) or the tooling (`eval`, `calibrate`, `demo`, `models`), not even
   inside a function;
 - every core module imports while `vllm` cannot be imported at all;
-- the project's import graph (module level) has no cycles;
+- the project's import graph has no cycles, imports inside functions included;
+- no module outside `vllm_kvevict.eval` imports the harness;
 - a file over 400 lines says in its docstring why it is one file.
 """
 
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {"vllm_kvevict": "vllm_kvevict", "patches": "vllm_kvevict.patches",
            "triton_kernels": "vllm_kvevict.triton_kernels"}
 TOOLING = ("vllm_kvevict.eval", "vllm_kvevict.calibrate", "vllm_kvevict.demo",
-           "vllm_kvevict.models")
+           "vllm_kvevict.models", "vllm_kvevict.passages", "vllm_kvevict.inprocess")
 VLLM_LAYER = ("vllm_kvevict.integration", "vllm_kvevict.patches")
 MAX_LINES = 400
 
@@ -106,29 +107,65 @@ def test_core_imports_without_vllm():
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
+# Import cycles left in files another line of work is changing, each with the
+# fix it needs; the test fails once one is gone, so its entry goes with it.
+# - kernel_dispatch -> cpu_kernel (the kernel's path) and cpu_kernel.path() ->
+#   kernel_dispatch.mode(): path() should take the mode, or live in kernel_dispatch.
+KNOWN_CYCLES = {frozenset({"vllm_kvevict.core.kernel_dispatch", "vllm_kvevict.cpu_kernel"})}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out = []
+
+    def visit(n: str) -> None:
+        index[n] = low[n] = len(index)
+        stack.append(n)
+        for t in sorted(graph[n]):
+            if t not in index:
+                visit(t)
+                low[n] = min(low[n], low[t])
+            elif t in stack:
+                low[n] = min(low[n], index[t])
+        if low[n] == index[n]:
+            members = stack[stack.index(n):]
+            del stack[stack.index(n):]
+            if len(members) > 1:
+                out.append(frozenset(members))
+
+    for n in sorted(graph):
+        if n not in index:
+            visit(n)
+    return out
+
+
 def test_no_import_cycles():
-    graph = {n: _project(_imports(n, p, module_level_only=True)) - {n}
+    """No cycle in the whole tree, counting imports inside functions too: a
+    deferred import is still a dependency (the eval harness had plots.py and
+    report.py import each other that way)."""
+    graph = {n: _project(_imports(n, p, module_level_only=False)) - {n}
              for n, p in MODULES.items()}
     # A package's __init__ importing its own submodules is not a cycle of design.
     for n in graph:
         graph[n] = {t for t in graph[n] if not t.startswith(n + ".")}
-    state: dict[str, int] = {}
-    stack: list[str] = []
+    found = set(_cycles(graph))
+    assert not found - KNOWN_CYCLES, "import cycles: " + "; ".join(
+        " <-> ".join(sorted(c)) for c in found - KNOWN_CYCLES)
+    assert not KNOWN_CYCLES - found, f"gone now, remove from KNOWN_CYCLES: {KNOWN_CYCLES - found}"
 
-    def visit(n: str) -> None:
-        state[n] = 1
-        stack.append(n)
-        for t in sorted(graph[n]):
-            if state.get(t) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(t):] + [t]))
-            if t not in state:
-                visit(t)
-        stack.pop()
-        state[n] = 2
 
-    for n in sorted(graph):
-        if n not in state:
-            visit(n)
+def test_product_does_not_import_the_harness():
+    """Only the fidelity harness itself imports `vllm_kvevict.eval` (not even
+    inside a function): the plugin, its commands (calibrate, demo, models) and
+    the kernels work without it."""
+    bad = sorted(f"{name} -> {target}" for name, path in MODULES.items()
+                 if not _within(name, ("vllm_kvevict.eval",))
+                 for target in _imports(name, path, module_level_only=False)
+                 if _within(target, ("vllm_kvevict.eval",)))
+    assert not bad, bad
 
 
 def test_long_files_say_why():

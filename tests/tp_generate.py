@@ -142,7 +142,7 @@ def make_llm(model: str, kv_bytes: int, eager: bool = True, **kwargs):
 
 
 def close(llm) -> None:
-    """vllm_kvevict.eval.inprocess.close, written out: a stock process must not
+    """vllm_kvevict.inprocess.close, written out: a stock process must not
     import vllm_kvevict. Shut down now, then freeze the heap for the next
     engine's start (that function says why)."""
     llm.llm_engine.engine_core.shutdown()
@@ -150,7 +150,7 @@ def close(llm) -> None:
 
 
 def freeze() -> None:
-    """vllm_kvevict.eval.inprocess.freeze, written out (see close); main
+    """vllm_kvevict.inprocess.freeze, written out (see close); main
     unfreezes at exit."""
     gc.collect()
     gc.freeze()

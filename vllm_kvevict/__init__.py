@@ -44,7 +44,7 @@ def register() -> None:
     # and frozen objects outlive the interpreter's last collections, so
     # Triton's nanobind types report themselves leaked at exit (a thousand
     # lines from each Ray worker). Unfreeze at exit, in every process that
-    # loads the plugin, as eval/inprocess.py does for the main job; registered
+    # loads the plugin, as inprocess.py does for the main job; registered
     # first, so it runs after every other exit hook.
     import atexit
     import gc

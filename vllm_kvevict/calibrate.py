@@ -85,12 +85,12 @@ def compute_skewing(model, input_ids: torch.Tensor, fraction: float = sk.DEFAULT
 
 
 def calibration_ids(tokenizer, doc: str, seed: int, n_tokens: int) -> torch.Tensor:
-    """(1, T) token ids of the project's perplexity passage of ``doc``
-    (:func:`vllm_kvevict.eval.instances.perplexity`)."""
-    from vllm_kvevict.eval.instances import perplexity
+    """(1, T) token ids of the project's passage of ``doc``
+    (:func:`vllm_kvevict.passages.passages`, the harness's perplexity text)."""
+    from vllm_kvevict.passages import passages
 
-    inst = perplexity(tokenizer, seed, [doc], n_tokens, window=n_tokens)[0]
-    return torch.tensor([tokenizer(inst["context"])["input_ids"]])
+    (context,) = passages(tokenizer, seed, [doc], n_tokens)
+    return torch.tensor([tokenizer(context)["input_ids"]])
 
 
 def load_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
@@ -187,7 +187,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=sk.DEFAULT_CALIBRATION["n_tokens"],
                    help="calibration tokens (default %(default)s)")
     p.add_argument("--doc", default=sk.DEFAULT_CALIBRATION["doc"],
-                   help="calibration text (vllm_kvevict.eval's documents)")
+                   help="calibration text, one of vllm_kvevict.passages.ALL_TEXTS")
     p.add_argument("--seed", type=int, default=sk.DEFAULT_CALIBRATION["seed"])
     return p
 

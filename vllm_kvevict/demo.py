@@ -18,7 +18,7 @@ import os
 import time
 import warnings
 
-from vllm_kvevict.eval.inprocess import close
+from vllm_kvevict.inprocess import close
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the pool in-process
 

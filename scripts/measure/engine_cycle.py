@@ -1,6 +1,6 @@
 """Seconds to start and to close an in-process SmolLM2 engine, five times in
 one process, with the heap left as vLLM leaves it or frozen after each close
-(vllm_kvevict.eval.inprocess.close), and the seconds of every full garbage
+(vllm_kvevict.inprocess.close), and the seconds of every full garbage
 collection over 0.05 s (where they are called from).
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/measure/engine_cycle.py [unfrozen|frozen]
@@ -31,7 +31,7 @@ def main(mode: str) -> None:
     import torch
     from vllm import LLM, SamplingParams
 
-    from vllm_kvevict.eval.inprocess import close
+    from vllm_kvevict.inprocess import close
     from vllm_kvevict.models import ensure_smollm2
 
     torch.set_num_threads(1)

@@ -26,7 +26,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from vllm_kvevict.eval import tasks as T
-from vllm_kvevict.eval.texts import TextsMissing
+from vllm_kvevict.passages import TextsMissing
 
 MODEL_NAMES = ("smollm2", "qwen25-coder")
 DEFAULT_MODELS = {"smoke": ("smollm2",), "full": MODEL_NAMES}

@@ -3,7 +3,8 @@
 Every generator takes the model's tokenizer (lengths are measured in its
 tokens) and a seed, and is deterministic: each task draws from its own
 ``random.Random(f"{seed}/{task}")`` (string seeds hash the same in every
-process), and texts come from :mod:`vllm_kvevict.eval.texts`.
+process), and texts come from :mod:`vllm_kvevict.passages` (prepared by
+:mod:`vllm_kvevict.eval.texts`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 from collections import Counter
 from functools import lru_cache
 
-from vllm_kvevict.eval.texts import load
+from vllm_kvevict.passages import load, paragraph_start, passages, take_tokens
 
 
 def _rng(seed: int, task: str) -> random.Random:
@@ -22,31 +23,6 @@ def _rng(seed: int, task: str) -> random.Random:
 
 def n_tokens(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def take_tokens(tokenizer, text: str, start: int, n: int) -> str:
-    """The span of ``text`` from char ``start`` covering its next ``n`` tokens.
-
-    Cut at a token's end offset, so the span re-encodes to ``n`` tokens (give
-    or take one at the edge; callers record the real count).
-    """
-    span = 8 * n
-    while True:
-        chunk = text[start:start + span]
-        offsets = tokenizer(chunk, add_special_tokens=False,
-                            return_offsets_mapping=True)["offset_mapping"]
-        if len(offsets) > n or start + span >= len(text):
-            break
-        span *= 2
-    if len(offsets) < n:
-        raise ValueError(f"text too short for {n} tokens from char {start}")
-    return chunk[:offsets[n - 1][1]]
-
-
-def _paragraph_start(rng: random.Random, text: str, reserve: int) -> int:
-    """A random paragraph start that leaves at least ``reserve`` chars after it."""
-    starts = [m.end() for m in re.finditer(r"\n\n", text[:max(len(text) - reserve, 1)])]
-    return rng.choice(starts) if starts else 0
 
 
 _SENTENCE_END = re.compile(r"[.!?][\"'\u2019\u201d)]*\s")
@@ -65,18 +41,13 @@ def _last_sentence_end(text: str) -> int:
 
 
 def perplexity(tokenizer, seed: int, docs, n_tokens: int, window: int) -> list[dict]:
-    """One raw ``n_tokens`` passage per document, from a random paragraph start."""
-    rng = _rng(seed, "perplexity")
-    out = []
-    for doc in docs:
-        text = load(doc)
-        context = take_tokens(tokenizer, text, _paragraph_start(rng, text, 12 * n_tokens),
-                              n_tokens)
-        out.append(dict(task="perplexity", id=f"perplexity/{doc}", context=context,
-                        question="", answer=None, max_tokens=1,
-                        meta=dict(raw=True, window=window, source=doc,
-                                  n_tokens=len(tokenizer(context)["input_ids"]))))
-    return out
+    """One raw ``n_tokens`` passage per document, from a random paragraph start
+    (:func:`vllm_kvevict.passages.passages`)."""
+    return [dict(task="perplexity", id=f"perplexity/{doc}", context=context,
+                 question="", answer=None, max_tokens=1,
+                 meta=dict(raw=True, window=window, source=doc,
+                           n_tokens=len(tokenizer(context)["input_ids"])))
+            for doc, context in zip(docs, passages(tokenizer, seed, docs, n_tokens))]
 
 
 NIAH_QUESTION = "What is the secret passcode for the vault? Answer with the number only."
@@ -96,7 +67,7 @@ def niah(tokenizer, seed: int, haystacks, lengths, depths, max_tokens: int) -> l
             for depth in depths:
                 code = str(rng.randrange(10000, 100000))
                 needle = f"The secret passcode for the vault is {code}."
-                body = take_tokens(tokenizer, text, _paragraph_start(rng, text, 12 * length),
+                body = take_tokens(tokenizer, text, paragraph_start(rng, text, 12 * length),
                                    length - n_tokens(tokenizer, needle) - 1)
                 body = body[:_last_sentence_end(body)].rstrip()  # depth 1: own sentence
                 if code in body:  # the answer must appear only in the needle
@@ -210,7 +181,7 @@ def agreement(tokenizer, seed: int, n_instructions: int, passage_tokens,
         for j in range(passages_per_length):
             src = PASSAGE_SOURCES[(len(out) + j) % len(PASSAGE_SOURCES)]
             text = load(src)
-            context = take_tokens(tokenizer, text, _paragraph_start(rng, text, 12 * length),
+            context = take_tokens(tokenizer, text, paragraph_start(rng, text, 12 * length),
                                   length)
             out.append(dict(task="agreement", id=f"agreement/passage/{length}/{j}",
                             context=context, question=rng.choice(PASSAGE_QUESTIONS),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from vllm_kvevict.eval.tasks import LOWER_IS_BETTER
+from vllm_kvevict.eval.tasks import LOWER_IS_BETTER, tasks_in
 
 OURS = "vllm_kvevict"
 
@@ -62,10 +62,8 @@ def _style(r, policies: list[str]) -> dict:
 
 def sweep(rows, model, path: Path) -> bool:
     """Score vs budget %, one panel per task, one line per (framework, policy)."""
-    from vllm_kvevict.eval.report import _tasks
-
     rows = [r for r in rows if r["model"] == model]
-    tasks = _tasks(rows)
+    tasks = tasks_in(rows)
     if not tasks:
         return False
     plt = _plt()

@@ -75,7 +75,7 @@ from xml.sax.saxutils import escape
 
 from vllm_kvevict.eval import instances as gen
 from vllm_kvevict.eval import tasks as T
-from vllm_kvevict.eval.inprocess import close
+from vllm_kvevict.inprocess import close
 
 BLOCK = 32
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64  # SmolLM2-135M: layers x (K, V) x KV heads x head dim

@@ -21,7 +21,8 @@ import json
 import math
 from pathlib import Path
 
-from vllm_kvevict.eval.tasks import LOWER_IS_BETTER, TASKS
+from vllm_kvevict.eval import plots
+from vllm_kvevict.eval.tasks import LOWER_IS_BETTER, tasks_in
 
 OURS = "vllm_kvevict"
 
@@ -73,17 +74,12 @@ def _models(rows) -> list[str]:
     return list(dict.fromkeys(r["model"] for r in rows))
 
 
-def _tasks(rows) -> list[str]:
-    present = {r["task"] for r in rows}
-    return [t for t in TASKS if t in present] + sorted(present - set(TASKS))
-
-
 def task_tables(rows, model) -> list[str]:
     """One markdown table per task: policy x budget, our framework only."""
     ours = _select(rows, framework=OURS, model=model)
     budgets = sorted({_key(r["budget"]) for r in ours if r["policy"] != "none"})
     out = []
-    for task in _tasks(ours):
+    for task in tasks_in(ours):
         full = _full(ours, model, task)
         better = "lower is better" if task in LOWER_IS_BETTER else "higher is better"
         rel = "ratio to full cache" if task in LOWER_IS_BETTER else "% of full cache"
@@ -106,7 +102,7 @@ def task_tables(rows, model) -> list[str]:
 def wall_table(rows, model) -> list[str]:
     """Seconds per (engine, task) for our framework, plus engine start-up."""
     ours = _select(rows, framework=OURS, model=model)
-    tasks = _tasks(ours)
+    tasks = tasks_in(ours)
     engines = list(dict.fromkeys((r["policy"], _key(r["budget"])) for r in ours))
     out = [f"### {model}: wall time (s) per engine and task", "",
            "| policy | budget | start | " + " | ".join(tasks) + " | tokens evicted |",
@@ -143,7 +139,7 @@ def side_by_side(rows, model) -> list[str]:
            "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     keys = dict.fromkeys((r["task"], r["policy"], _key(r["budget"]))
                          for r in rows if r["model"] == model)
-    for task, policy, b in sorted(keys, key=lambda k: (_tasks(rows).index(k[0]), k[1] != "none",
+    for task, policy, b in sorted(keys, key=lambda k: (tasks_in(rows).index(k[0]), k[1] != "none",
                                                         k[1], k[2])):
         got = [_pick(rows, OURS, "aware", model, task, policy, b)] + \
             [_pick(rows, "kvpress", m, model, task, policy, b) for m in modes]
@@ -158,8 +154,6 @@ def side_by_side(rows, model) -> list[str]:
 
 def write_report(rows: list[dict], out: str | Path, meta: dict | None = None) -> Path:
     """results.md and every plot into ``out``; returns the markdown path."""
-    from vllm_kvevict.eval import plots
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     lines = ["# KV eviction fidelity (vllm_kvevict)", ""]

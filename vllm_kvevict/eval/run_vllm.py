@@ -29,7 +29,7 @@ from dataclasses import dataclass
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from vllm_kvevict.eval import tasks as T
-from vllm_kvevict.eval.inprocess import close
+from vllm_kvevict.inprocess import close
 
 FRAMEWORK = "vllm_kvevict"
 

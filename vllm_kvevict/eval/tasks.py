@@ -52,6 +52,12 @@ from typing import Any
 TASKS = ("perplexity", "niah", "kv_retrieval", "agreement")
 LOWER_IS_BETTER = {"perplexity"}
 
+
+def tasks_in(rows) -> list[str]:
+    """The tasks of result ``rows``, in TASKS order, unknown ones last (sorted)."""
+    present = {r["task"] for r in rows}
+    return [t for t in TASKS if t in present] + sorted(present - set(TASKS))
+
 # Per task: its generator's keyword arguments (see vllm_kvevict.eval.instances).
 # Lengths are in tokens of the model's tokenizer.
 CONFIGS: dict[str, dict[str, dict[str, Any]]] = {

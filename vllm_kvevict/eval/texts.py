@@ -11,9 +11,10 @@ unpacks them with ``dpkg -x`` into a temp dir:
 
 and writes clean UTF-8 ``.txt`` files (hard-wrapped lines reflowed into one
 line per paragraph, paragraphs separated by a blank line) plus ``index.json``
-into :func:`texts_dir`. Idempotent: once ``index.json`` lists every source it
-returns at once. Nothing here runs at harness time except :func:`load`, which
-never downloads.
+into :func:`vllm_kvevict.passages.texts_dir`. Idempotent: once ``index.json``
+lists every source it returns at once. Nothing here runs at harness time: the
+harness and ``python -m vllm_kvevict.calibrate`` read the texts through
+:mod:`vllm_kvevict.passages`, which never downloads.
 """
 
 from __future__ import annotations
@@ -29,32 +30,7 @@ import tempfile
 from pathlib import Path
 
 from vllm_kvevict.eval.rdata import load_lazy_db
-
-SETUP_HINT = ("run `python -m vllm_kvevict.eval.texts` (or `bash scripts/setup.sh`) once "
-              "to download them")
-
-JARGON = "jargon"
-AUSTEN = ("emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice",
-          "sensesensibility")
-ALL_TEXTS = (JARGON,) + tuple(f"austen_{n}" for n in AUSTEN)
-
-
-class TextsMissing(FileNotFoundError):
-    """The prepared texts are not there; the message says how to make them."""
-
-
-def texts_dir() -> Path:
-    """``$VLLM_KVEVICT_TEXTS`` if set, else ``~/.cache/vllm_kvevict/texts``."""
-    env = os.environ.get("VLLM_KVEVICT_TEXTS")
-    return (Path(env) if env else Path.home() / ".cache" / "vllm_kvevict" / "texts").expanduser()
-
-
-def load(name: str) -> str:
-    """The prepared text ``name`` (one of :data:`ALL_TEXTS`); never downloads."""
-    path = texts_dir() / f"{name}.txt"
-    if not path.is_file():
-        raise TextsMissing(f"text {name!r} not found at {path}; {SETUP_HINT}")
-    return path.read_text(encoding="utf-8")
+from vllm_kvevict.passages import AUSTEN, JARGON, texts_dir
 
 
 def reflow(lines: list[str]) -> str:
