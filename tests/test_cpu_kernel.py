@@ -282,3 +282,30 @@ def test_bad_moves_are_refused_before_anything_is_written():
     with pytest.raises(RuntimeError, match="outside the cache"):
         mod.copy_blocks(kc, vc, ok, bad)
     assert torch.equal(kv, before)
+
+
+def test_logged_queries_land_where_the_torch_path_puts_them(monkeypatch):
+    """The decode log's store (store_queries) through the kernel's copy_rows
+    equals index_copy_, for a strided query view like vLLM's (a slice of the
+    fused qkv output); a cell outside the buffer is refused."""
+    from vllm_kvevict.core.decode_log import StepPlacement, store_queries
+
+    mod = cpu_kernel.module()
+    if mod is None:
+        pytest.fail("the CPU kernel is not built: scripts/setup.sh builds it")
+    qkv = torch.randn(6, 15 * 64).to(torch.bfloat16)
+    query = qkv[:, : 9 * 64].view(6, 9, 64)  # row stride 960, not 576
+    placement = StepPlacement(torch.arange(6), torch.tensor([3, 40, 7, 12, 63, 0]))
+    calls = []
+    real = mod.copy_rows
+    monkeypatch.setattr(mod, "copy_rows", lambda *a: calls.append(1) or real(*a))
+    got = {}
+    for mode in ("auto", "torch"):
+        monkeypatch.setenv("VLLM_KVEVICT_KERNELS", mode)
+        queries = {}
+        store_queries(queries, "layer.0", query, placement, rows=2, cols=32)
+        got[mode] = queries["layer.0"]
+    assert calls == [1]
+    assert got["auto"].abs().sum() > 0 and torch.equal(got["auto"], got["torch"])
+    with pytest.raises(RuntimeError, match="outside dst"):
+        real(got["auto"].view(-1, 9 * 64), torch.tensor([64 * 8]), query[:1].flatten(1))

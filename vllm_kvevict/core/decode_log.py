@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from vllm_kvevict.core.kernel_dispatch import cpu_copier
 from vllm_kvevict.core.scores import score_queries
 
 
@@ -81,9 +82,11 @@ def store_queries(queries: dict[str, torch.Tensor], layer: str, query: torch.Ten
         # Placed token indices are distinct and increasing, so placing all of
         # them means all in order (a decode-only step): no gather needed.
         src = query if n == query.shape[0] else query[placement.tokens.to(query.device)]
-        # index_copy_ on the flat (row, column) axis: ~10x cheaper than a
-        # two-index assignment here.
-        buf.view(-1, *buf.shape[2:]).index_copy_(0, placement.cells.to(buf.device), src)
+        copier = cpu_copier(buf)
+        if copier is not None and src.flatten(1).stride(1) == 1:  # one memcpy per query
+            copier.copy_rows(buf.view(buf.shape[0] * cols, -1), placement.cells, src.flatten(1))
+        else:  # index_copy_ on the flat (row, column) axis
+            buf.view(-1, *buf.shape[2:]).index_copy_(0, placement.cells.to(buf.device), src)
 
 
 def score_logged(stacks: list, req_ids: list[str], blocks: list[list[int]],

@@ -86,13 +86,20 @@ def cpu_token_mover(layout, cache: torch.Tensor):
     CPU backend's paged cache, `KVLayout`, bf16/fp16/fp32), else None (torch)."""
     from vllm_kvevict.core.cpu_layout import KVLayout
 
-    if (mode() == "torch" or cache.device.type != "cpu" or not isinstance(layout, KVLayout)
-            or cache.element_size() not in (2, 4)):
+    if not isinstance(layout, KVLayout) or cache.element_size() not in (2, 4):
+        return None
+    return cpu_copier(cache)
+
+
+def cpu_copier(x: torch.Tensor):
+    """The compiled CPU kernel's module for copies of CPU data (`copy_rows`,
+    `move_tokens`, `copy_blocks`), or None (torch)."""
+    if mode() == "torch" or x.device.type != "cpu":
         return None
     from vllm_kvevict import cpu_kernel
 
     mod = cpu_kernel.module()
-    return mod if mod is not None and hasattr(mod, "move_tokens") else None
+    return mod if mod is not None and hasattr(mod, "copy_rows") else None
 
 
 def triton_module(name: str):

@@ -116,4 +116,23 @@ void copy_blocks(at::Tensor key_cache, at::Tensor value_cache, const at::Tensor&
   }
 }
 
+// dst[cells[i]] = src[i] for rows of a 2-D view each (a row's elements
+// contiguous): the decode log's per-layer store of a step's queries. One memcpy
+// per row; torch's index_copy_ moved these element by element, and each step
+// writes cache lines not touched since the log's last flush.
+void copy_rows(at::Tensor dst, const at::Tensor& cells, const at::Tensor& src) {
+  TORCH_CHECK(dst.dim() == 2 && src.dim() == 2 && dst.size(1) == src.size(1) &&
+              dst.stride(1) == 1 && src.stride(1) == 1 && dst.scalar_type() == src.scalar_type(),
+              "dst (N, E), src (M, E): one dtype, rows contiguous");
+  TORCH_CHECK(cells.scalar_type() == at::kLong && cells.is_contiguous() && cells.numel() == src.size(0),
+              "cells: contiguous int64, one per src row");
+  const int64_t n = cells.numel(), rows = dst.size(0), bytes = dst.size(1) * dst.element_size();
+  const int64_t* c = cells.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(c[i] >= 0 && c[i] < rows, "cell ", c[i], " outside dst");
+  char* d = static_cast<char*>(dst.data_ptr());
+  const char* s = static_cast<const char*>(src.data_ptr());
+  const int64_t ds = dst.stride(0) * dst.element_size(), ss = src.stride(0) * src.element_size();
+  for (int64_t i = 0; i < n; ++i) std::memcpy(d + c[i] * ds, s + i * ss, bytes);
+}
+
 }  // namespace token_moves
