@@ -24,6 +24,8 @@ profile on the 2-core EPYC; the scrape sees the idle state exactly).
     vllm_kvevict_compaction_seconds_total{rank}  worker time spent compacting
     vllm_kvevict_scoring_path_info{rank,path}   where a worker scores: "cpu-kernel
                                             avx512bf16|avx2", or "torch (why)"
+    vllm_kvevict_host_entries_offloaded_total{rank}  offload only: (layer, KV head,
+                                            token) entries a worker wrote to its host tier
 """
 
 from __future__ import annotations
@@ -154,6 +156,15 @@ class EvictionCollector:
                 if "scoring_path" in s:
                     where.add_metric([str(s["rank"])], {"path": s["scoring_path"]})
             yield where
+            offload = [s for s in workers if "host_entries_offloaded" in s]
+            if offload:
+                host = CounterMetricFamily(
+                    "vllm_kvevict_host_entries_offloaded",
+                    "(layer, KV head, token) KV entries written to the offload host tier",
+                    labels=["rank"])
+                for s in offload:
+                    host.add_metric([str(s["rank"])], s["host_entries_offloaded"])
+                yield host
 
 
 _collector: EvictionCollector | None = None

@@ -168,8 +168,11 @@ class WorkerEviction:
     def _write_metrics(self) -> None:
         if self._snapshot is None:
             self._snapshot = Snapshot("worker")
-        self._snapshot.write({"role": "worker", "rank": _worker_rank(), "scoring_path": cpu_kernel.path(),
-                              "compaction_seconds": self.compaction_seconds})
+        values = {"role": "worker", "rank": _worker_rank(), "scoring_path": cpu_kernel.path(),
+                  "compaction_seconds": self.compaction_seconds}
+        if self.offload is not None:  # offload: what the host tier took (none before it exists)
+            values["host_entries_offloaded"] = self.host.stats.entries_offloaded if self.host else 0
+        self._snapshot.write(values)
 
     def _private_of(self, req_id: str, layer: str, st: LayerStack) -> torch.Tensor | None:
         return self.private.of(req_id, layer, st.layout.num_kv_heads, st.scores.device)
