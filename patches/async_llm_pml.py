@@ -3,9 +3,10 @@
 WHY: the OpenAI routes hand AsyncLLM a rendered prompt (a dict with "type"),
      and add_request calls InputProcessor.process_inputs on the event loop
      (vLLM: "no blocking preprocessing needed"). For a PML prompt that call
-     parses, lays out and tokenizes modules (patches/input_processor_pml.py):
-     issue 38 measured a hostile one holding the loop, and /health, for
-     25 s. Expansion must run off the event loop.
+     parses, lays out and tokenizes modules (patches/input_processor_pml.py),
+     which a hostile prompt can make take seconds, and the loop, /health with
+     it, would wait (docs/prompt_modules.md). Expansion must run off the
+     event loop.
 HOW: when a rendered prompt's text holds `<prompt`, run
      prompt_modules.expand on the renderer's tokenizer thread (off_loop: the
      thread vLLM tokenizes on, so the tokenizer is never used by two threads

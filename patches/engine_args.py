@@ -16,7 +16,7 @@ HOW: add an argument group; fold the parsed values into
      missing one stops startup naming `python -m vllm_kvevict.calibrate`
      instead of a worker calibrating mid-step.
      With eviction or offload on, refuse what it does not support, naming the
-     vLLM flag and ours (issue 20 #7): speculative decoding, async
+     vLLM flag and ours: speculative decoding, async
      scheduling, and pipeline parallel with offload (eviction alone runs at
      PP > 1: each stage compacts its own layers by the scheduler's plan). vLLM 0.32 turns async scheduling on by
      default where it can (VllmConfig: None -> True on CUDA; the CPU platform

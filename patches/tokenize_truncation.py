@@ -3,7 +3,7 @@
 WHY: `truncate_prompt_tokens` (completions and chat) truncates the token ids
      vLLM makes of the prompt text; a PML prompt is then expanded from its
      text into module token ids (patches/input_processor_pml.py), so the
-     truncation was silently lost (issue 38: 5 asked, 185 sent). Truncating a
+     truncation was silently lost: the whole prompt was sent. Truncating a
      module prompt has no meaning that keeps its modules whole (cutting
      shared blocks or positions would change what the modules are), so it is
      refused with a 400 that says why.

@@ -18,11 +18,10 @@ from .jit.paged_attention import paged_attention_scores_kernel
 # Scratch logits of one launch, (T, H, G, L) float32: bounded to 128 MB by
 # launching the queries in tiles.
 _SCRATCH_ELEMENTS = 1 << 25
-# Keys per step of each program's walk. 128 against 16 (one block, as before),
-# H100, batch 32 x 4,096 tokens, fused with unique rows: Llama-2-13B's 40
-# heads 1.61 -> 1.35 ms, Llama-3-8B's GQA 4 0.62 -> 0.27 ms; attention alone
-# 1.06 -> 1.11 and 0.34 -> 0.20 ms (results/gpu/2026-11-26-h100.md). Costs a
-# few register spills at D >= 96 (tests/test_triton_aot.py).
+# Keys per step of each program's walk: 128 rather than one 16-token block
+# took fewer, larger loads per program and ran faster on the H100 for both
+# MHA and GQA (results/gpu/2026-11-26-h100.md has the times). Costs a few
+# register spills at D >= 96 (tests/test_triton_aot.py).
 KEYS_PER_STEP = 128
 # Head sizes over 128 keep the one-block step of before (16 keys): with a
 # 256-wide K and V tile, 128 keys spilled over 1 KB of registers and 64 keys

@@ -26,11 +26,10 @@ def close(llm) -> None:
     Frozen: vLLM's shutdown unfreezes every object of the process
     (Worker.shutdown, EngineCore.shutdown), and the next engine's start runs
     three full collections before it freezes them again (two in load_model,
-    one in freeze_gc_heap). After importing vLLM a process holds about 640,000
-    objects, and each full collection over them takes about 0.4 s on the
-    project's 2-core machine: an in-process SmolLM2 engine started in 2.0 s,
-    and in 1.1 s once the objects that outlive this engine are frozen here
-    (`scripts/measure/engine_cycle.py`, 2026-11-26). Frozen objects that die later are
+    one in freeze_gc_heap), each over the hundreds of thousands of objects a
+    process holds after importing vLLM: frozen here, they are skipped, which
+    takes about half off an in-process engine's start (docs/testing.md, with
+    `scripts/measure/engine_cycle.py`). Frozen objects that die later are
     collected at the next engine's shutdown, which unfreezes them again.
     """
     llm.llm_engine.engine_core.shutdown()

@@ -63,8 +63,8 @@ MAX_COUNT = 1 << 40  # no token count or size above this is a setting; parse no 
 
 def _digits(text: str) -> int | None:
     """`text` as a count when it is plain ASCII digits, else None. Never raises:
-    "²".isdigit() is True and int("²") raises (issue 38), and int() of
-    thousands of digits raises too."""
+    "²".isdigit() is True and int("²") raises, and int() of thousands of
+    digits raises too (both came in client requests)."""
     text = text.strip()
     if text.isascii() and text.isdigit() and len(text) <= 15:
         return int(text)
@@ -189,7 +189,7 @@ class EvictionConfig:
              (default): the prompt stays whole while the pool can hold its
              next chunk, and is compacted once, after its last chunk, with
              every prompt query (the question too) scored; 0: compact before
-             every chunk (the behaviour before issue 18).
+             every chunk (before the question was read).
     """
 
     policy: str = "none"

@@ -12,8 +12,8 @@ just executes its plans, so both sides agree by construction.
     prefill (default): the prompt stays whole, and its first decode step
                    compacts it (decode's rule: P = prompt length), so the policy
                    scores every prompt token with every prompt query, the
-                   question at its end included. Compaction is decided after the
-                   question, not before (issue 18).
+                   question at its end included: compaction is decided after the
+                   question, not before.
     prefill, memory short (or P past --kv-prefill-cap): before the next prompt
                    chunk, compact when P > budget, so a prompt far longer than
                    the pool still holds at most budget + one chunk.

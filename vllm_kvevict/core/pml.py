@@ -17,7 +17,7 @@ Nested modules are imported inside their parent: `<a><b/></a>`. Everything here
 is syntax; positions and tokens are `prompt_layout`'s job. Errors are PMLError
 (a ValueError) with a message a user can act on; the server answers them 400.
 
-Bounded (issue 38): PML comes from clients, so parsing is linear in the input
+Bounded: PML comes from clients, so parsing is linear in the input
 and stops early. Expat reads the text once; a DTD (and so any entity
 declaration: no entity is ever expanded) is refused at its first byte;
 elements nested deeper than MAX_DEPTH, or more than `max_elements` of them,

@@ -43,9 +43,8 @@ def recent_plus_top_scored(scores: torch.Tensor, keep: int, recent: int) -> torc
 
     A compaction usually drops one block of many (n - keep << keep): then the
     dropped tokens are the ones found (the n - keep lowest), and a mask gives
-    the kept ones in ascending order without a sort. 90 rows x 4,128 -> 4,096
-    tokens, one core: 1.2 ms, vs 18.6 ms for the top 2,048 and a sort
-    (scripts/measure/select_timing.py)."""
+    the kept ones in ascending order without a sort, many times faster than
+    a top-k of the kept and a sort (docs/results.md; scripts/measure/select_timing.py)."""
     num_heads, n = scores.shape
     assert 0 <= recent <= keep <= n, (recent, keep, n)
     old, heavy = n - recent, keep - recent  # older tokens; how many of them stay

@@ -133,8 +133,8 @@ class RequestLayout:
 
 def normalize(text: str) -> str:
     """`text` with an edge run of whitespace holding a newline made one newline.
-    Linear: str.lstrip/rstrip, never a backtracking regex (issue 38: the
-    regex `\\s*\\n\\s*$` was cubic in a run of newlines)."""
+    Linear: str.lstrip/rstrip, never a backtracking regex (the regex
+    `\\s*\\n\\s*$` is cubic in a run of newlines, which a client can send)."""
     body = text.lstrip()
     if "\n" in text[: len(text) - len(body)]:
         text = "\n" + body

@@ -1,6 +1,6 @@
 """Registered prompt-module schemas, per frontend process, per tenant.
 
-Tenants (issue 38): a schema registered with a client `cache_salt` belongs to
+Tenants: a schema registered with a client `cache_salt` belongs to
 that salt's scope (prompt_layout.tenant: a keyed digest of the salt) and is
 seen (listed, read, imported, removed) only by requests presenting the same
 salt. A schema registered without a salt is shared: every request sees it,

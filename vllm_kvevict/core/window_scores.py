@@ -37,8 +37,8 @@ POOL_KERNEL = 7  # AnDPro appendix B.3 (and SnapKV's kernel for max pooling)
 CHUNK = 4  # AnDPro section 3.4 / Algorithm 1 chunk size
 
 # Bound the (B, H, G, w, n) float32 attention of one tile to about 8 MB, so the
-# passes over it run in cache (measured on this 2-core EPYC, 30 layers x 4096
-# tokens: snapkv 394 -> 253 ms, andpro 914 -> 370 ms against 64 MB tiles).
+# passes over it run in cache rather than DRAM (docs/results.md, "Figures
+# behind code comments").
 _TILE_ELEMENTS = 1 << 21
 
 
@@ -50,11 +50,11 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Te
     h, n = k.shape[1], k.shape[2]
     g = hq // h
     # One (G * w, D) x (D, n) product per (B, H): broadcasting K over the group
-    # instead made torch copy it G times (2x the time, measured).
+    # instead made torch copy it G times.
     qg = (q.to(torch.float32) * scale).view(b, w, h, g, d).permute(0, 2, 3, 1, 4)
     logits = torch.matmul(qg.reshape(b, h, g * w, d), k.to(torch.float32).transpose(-1, -2))
-    # Only the window's own w columns hold future tokens: masking those alone
-    # took the mask from 10% of this function to 2% (30 layers x 192 tokens).
+    # Only the window's own w columns hold future tokens: mask those alone, not
+    # an (n, n) causal mask over every column.
     col = torch.arange(w, device=q.device)
     future = col[None, :] > col[:, None]  # (w, w): [t, i] window token i after query t
     logits.view(b, h, g, w, n)[..., n - w:].masked_fill_(future, float("-inf"))

@@ -86,7 +86,7 @@ def run(args, save=None, meta=None) -> list[dict]:
         mdir = model_dir(model)
         if any(p == "infinigen" for p, _ in engines):
             # Offload engines need the model's skewing file, which serving never
-            # computes (issue 20 #8): the offline command's function, once.
+            # computes: the offline command's function, once.
             from vllm_kvevict.calibrate import calibrate
 
             calibrate(mdir)
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                    "(max_num_batched_tokens; default smoke 256, full 512)")
     p.add_argument("--prefill-cap", type=int, default=None,
                    help="--kv-prefill-cap of the evicting engines (default: compress once "
-                   "the prompt is complete; 0: between every prompt chunk, as before issue 18)")
+                   "the prompt is complete; 0: between every prompt chunk)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="model and KV dtype of every engine (default bfloat16; float32 is "
                    "the faster one on CPUs without avx512_bf16)")

@@ -10,7 +10,9 @@ them. The pure parts (budget mapping, parsing, prompt, scoring) are therefore
 testable in any venv, kvpress or not. One file because it runs standalone in
 that other venv: a second module would have to travel with it.
 
-    PYTHONPATH=/work/main .venv-kvpress/bin/python -m vllm_kvevict.eval.kvpress_runner \\
+From the repository root (the kvpress venv does not install the project):
+
+    PYTHONPATH=$PWD .venv-kvpress/bin/python -m vllm_kvevict.eval.kvpress_runner \\
         --tasks TASKS.json --out kvpress.json \\
         [--presses none,h2o,snapkv,streaming,andpro] [--budgets 0.05,0.2] \\
         [--query-mode aware,agnostic]

@@ -1,8 +1,8 @@
 """Worker side on CUDA: the eviction wrapper around vLLM 0.32's FLASH_ATTN.
 
-Registered as ``AttentionBackendEnum.CUSTOM`` (see ``select``) and chosen by
-the engine when ``--kv-eviction`` is on. It makes the same changes as the CPU
-wrapper in ``backend.py``, and keeps the stock FlashAttention kernels:
+Registered as ``AttentionBackendEnum.CUSTOM`` (``backend_select.register_cuda_backend``)
+and chosen by the engine when ``--kv-eviction`` is on. It makes the same changes
+as the CPU wrapper in ``cpu_backend.py``, and keeps the stock FlashAttention kernels:
 
   1. metadata: the builder gives requests that evicted physical ``seq_lens`` /
      ``slot_mapping`` / ``max_seq_len`` (``physical_view``) before the stock

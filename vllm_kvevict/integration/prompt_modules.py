@@ -22,7 +22,7 @@ cache salts of module requests are HMACs under a server key
 (prompt_layout.salt) in a namespace client salts may not use. Schemas
 registered over HTTP are bounded by --kv-max-schemas and --kv-max-pinned.
 
-Hostile input (issue 38): PML is parsed in linear time with a depth limit,
+Hostile input: PML is parsed in linear time with a depth limit,
 DTDs refused, its size (--kv-max-pml-bytes) checked before parsing, its
 elements (--kv-max-modules) while parsing, its text against max_model_len
 before tokenizing; and the server runs registration and expansion on the
