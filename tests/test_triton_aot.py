@@ -38,7 +38,9 @@ TRITON_CACHE_DIR, so every case is really compiled, not read from a cache.
 Times on the 2-core CI machine (fresh cache, 0.2-2.5 s a compilation): the
 default tier (bf16, two shapes, both targets: 32 compilations) 26 s; the
 `slow` tier, all six shapes per dtype (88 compilations each), 45 s of CPU and
-60-145 s of wall time per dtype (the latter on a busy machine).
+60-145 s of wall time per dtype (the latter on a busy machine). No time is
+asserted: on a shared machine it says more about the neighbours than about
+the kernels (compile times are the benchmarks' to measure).
 """
 from __future__ import annotations
 
@@ -160,13 +162,11 @@ def compile_all(items: list[dict], cache_dir: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(cache_dir), TRITON_DUMP_PTXAS_LOG="1",
                TRITON_DEFAULT_FP_FUSION="1")  # the current default, stated (silences a warning)
-    start = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__], input=json.dumps(items), env=env,
                           capture_output=True, text=True, timeout=900,
                           cwd=Path(__file__).resolve().parent.parent)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    return {"results": json.loads(proc.stdout.strip().splitlines()[-1]),
-            "seconds": time.perf_counter() - start}
+    return {"results": json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
 def _child() -> None:
@@ -262,8 +262,7 @@ def _compile_and_check(items: list[dict], cache_dir: Path) -> dict:
 def test_every_kernel_compiles_for_sm80_and_sm90(tmp_path):
     """Default tier: every kernel and variant with a bf16 cache at DEFAULT_SHAPES,
     for both targets (32 compilations, 26 s here)."""
-    res = _compile_and_check(cases("bf16", DEFAULT_SHAPES), tmp_path)
-    assert res["seconds"] < 120, f"{res['seconds']:.0f} s: move cases to the slow tier"
+    _compile_and_check(cases("bf16", DEFAULT_SHAPES), tmp_path)
 
 
 @pytest.mark.slow
