@@ -18,9 +18,9 @@ For each server (stock: plugin not loaded; plugin: --kv-eviction h2o at
 
 Exit status 1 if a check fails.
 
-    python benchmarks/load.py                 # ~10 min on 2 CPU cores
-    python benchmarks/load.py --quick         # ~2 min
-    python benchmarks/load.py --json load.json --plot load.png
+    python -m vllm_kvevict.eval.load                 # ~10 min on 2 CPU cores
+    python -m vllm_kvevict.eval.load --quick         # ~2 min
+    python -m vllm_kvevict.eval.load --json load.json --plot load.png
 """
 
 from __future__ import annotations
@@ -211,7 +211,8 @@ def checks(rows: list[dict]) -> list[str]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m vllm_kvevict.eval.load",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--cancel", type=float, default=0.1, help="fraction cancelled mid-stream")

@@ -1,8 +1,8 @@
 """Quality of prompt modules: the harness's retrieval tasks with documents as modules.
 
-    python benchmarks/prompt_modules_quality.py              # default run (~15 min, 2 cores)
-    python benchmarks/prompt_modules_quality.py --quick      # a few minutes
-    python benchmarks/prompt_modules_quality.py --json out.json --dense-check 0
+    python -m vllm_kvevict.eval.prompt_modules_quality             # default run (~15 min, 2 cores)
+    python -m vllm_kvevict.eval.prompt_modules_quality --quick     # a few minutes
+    python -m vllm_kvevict.eval.prompt_modules_quality --json out.json --dense-check 0
 
 Question (Prompt Cache, sections 3.3 and 5): when each document is encoded as
 its own module (attention masked to the module, at its schema positions) and a
@@ -467,7 +467,8 @@ def markdown(res: dict, settings: str) -> str:
 # --- main ----------------------------------------------------------------------
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m vllm_kvevict.eval.prompt_modules_quality",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a few instances (smoke)")
     p.add_argument("--json", metavar="FILE", help="write settings, tables and per-instance rows")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
