@@ -53,8 +53,8 @@ def compact(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     layout.gather_values(value_cache, src_blocks, n_src))
     k, v = gathered
     # NOTE: one row gather (index_select of D-element rows) instead of an
-    # element-wise gather along the token axis: measured 5x faster on CPU
-    # (21 vs 104 ms for 30 layers x 3 heads x 4096 tokens x 64 bf16).
+    # element-wise gather along the token axis: whole rows copy as runs, not
+    # one indexed element at a time (docs/results.md, "Figures behind code comments").
     n = k.shape[2]
     rows = torch.zeros(b, h, n_dst * bs, dtype=torch.int64, device=keep.device)
     rows[:, :, :new_len] = keep + n * torch.arange(b * h, device=keep.device).view(b, h, 1)
@@ -175,8 +175,8 @@ def by_age(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     if x.dim() == 3:
         return x.gather(2, idx)
     # (L, H, n, D): one row gather (index_select of D-element rows), not an
-    # element-wise gather along n: 0.06 vs 1.35 ms for 30 x 3 x 192 x 64 bf16
-    # (one core), i.e. ~2.6 ms of every snapkv/andpro compaction (K and V).
+    # element-wise gather along n, for the reason `compact` gives; it runs for
+    # K and V at every snapkv/andpro compaction.
     l, h, n, d = x.shape
     flat = idx + n * torch.arange(l * h, device=x.device).view(l, h, 1)
     return x.reshape(-1, d).index_select(0, flat.flatten()).view(l, h, -1, d)
