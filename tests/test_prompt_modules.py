@@ -20,11 +20,13 @@ ALICE = ("Alice lives in Paris, where she bakes bread every morning before the s
          "Her bakery is on a small street near the river, and her croissants are famous. ") * 2
 BOB = ("Bob is a pilot who flies long routes between Tokyo and Sydney. He has a cat named "
        "Miso and he collects old maps of the Pacific Ocean. ") * 2
-SCHEMA = f"""<schema name="people">You answer questions about people.
-<module name="alice">{ALICE}</module>
-<module name="bob">{BOB} He is <param name="age" len="6"/> years old.</module>
+HEAD = "You answer questions about people.\n"  # the schema's anonymous text
+BOB_BEFORE, AGE_LEN, BOB_AFTER = f"{BOB} He is ", 6, " years old."  # around bob's parameter
+SCHEMA = f"""<schema name="people">{HEAD}<module name="alice">{ALICE}</module>
+<module name="bob">{BOB_BEFORE}<param name="age" len="{AGE_LEN}"/>{BOB_AFTER}</module>
 </schema>"""
-PROMPT = '<prompt schema="people"><bob age="forty-two"/><alice/>Question: who has a cat? Answer:</prompt>'
+AGE, QUESTION = "forty-two", "Question: who has a cat? Answer:"
+PROMPT = f'<prompt schema="people"><bob age="{AGE}"/><alice/>{QUESTION}</prompt>'
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +65,42 @@ def request_layout(llm, prompt: str):
                                  lambda s: list(tok.encode(s, add_special_tokens=False)), BS)
 
 
+def expected_layout(tok):
+    """PROMPT's tokens, schema positions and attention segments, written here
+    from SCHEMA by the rules of docs/prompt_modules.md, not by the plugin's
+    `layout_prompt`: a cursor walks the schema (one position per token of each
+    text piece, AGE_LEN reserved for the parameter; whitespace between elements
+    is no text); each unit's (anonymous text, alice, bob) full blocks come first,
+    in schema order, attending only to their own unit; then what the request
+    computes, attending to everything before it: the units' tails, the
+    parameter's value at the parameter's first positions, and the question,
+    which starts where the furthest module imported before it (bob) ends.
+    Returns ({unit: (tokens, positions)}, token ids, positions, segment ids:
+    the unit's index for a shared token, -1 for a computed one)."""
+    def enc(text):
+        return tok(text, add_special_tokens=False).input_ids
+
+    head, alice, before, after, age, question = map(enc, (HEAD, ALICE, BOB_BEFORE, BOB_AFTER,
+                                                          AGE, QUESTION))
+    p_alice = len(head)
+    p_bob = p_alice + len(alice)
+    p_age = p_bob + len(before)
+    end = p_age + AGE_LEN + len(after)
+    units = {"#0": (head, list(range(p_alice))),
+             "alice": (alice, list(range(p_alice, p_bob))),
+             "bob": (before + after, list(range(p_bob, p_age)) + list(range(p_age + AGE_LEN, end)))}
+    ids, positions, segment, computed = [], [], [], []
+    for i, (tokens, pos) in enumerate(units.values()):
+        full = len(tokens) // BS * BS
+        ids, positions, segment = ids + tokens[:full], positions + pos[:full], segment + [i] * full
+        computed.append((tokens[full:], pos[full:]))
+    computed += [(age, list(range(p_age, p_age + len(age)))),
+                 (question, list(range(end, end + len(question))))]
+    for tokens, pos in computed:
+        ids, positions, segment = ids + tokens, positions + pos, segment + [-1] * len(tokens)
+    return units, ids, positions, segment
+
+
 def dense_reference(model, ids, positions, segment, n_new: int) -> list[int]:
     """Greedy tokens of the masked Prompt Cache computation. segment[i] >= 0: a
     shared module token (attends within its module only); -1: computed by the request."""
@@ -86,41 +124,40 @@ def dense_reference(model, ids, positions, segment, n_new: int) -> list[int]:
 
 
 def test_module_kv_and_first_tokens_match_dense_reference(llm, schema, hf):
+    """The module KV in vLLM's pinned blocks and the first generated tokens
+    equal transformers' computation of the layout `expected_layout` derives
+    from the schema by hand; the plugin's own layout is only compared with it."""
     from vllm import SamplingParams
 
-    model, _ = hf
-    layout_s, layout = request_layout(llm, PROMPT)
+    model, tok = hf
+    units, ids, positions, segment = expected_layout(tok)
+    layout = request_layout(llm, PROMPT)[1]
+    assert (layout.token_ids, layout.positions) == (ids, positions)
     pinned = pm.pinned_modules(llm)
     assert set(pinned) == {"people/alice", "people/bob"}
     # Module KV: vLLM's pinned blocks hold what the model computes for the
     # module's tokens alone, at the module's schema positions.
     last = model.config.num_hidden_layers - 1
     for key, entry in pinned.items():
-        unit = layout_s.units[key.split("/")[1]]
+        tokens, pos = units[key.split("/")[1]]
         n = entry["tokens"]
+        assert n == len(tokens) // BS * BS > 0
         with torch.no_grad():
-            cache = model(input_ids=torch.tensor([unit.tokens]),
-                          position_ids=torch.tensor([unit.positions]), use_cache=True).past_key_values
+            cache = model(input_ids=torch.tensor([tokens]),
+                          position_ids=torch.tensor([pos]), use_cache=True).past_key_values
         for layer in (0, last):
             (k, v), = llm.collective_rpc(read_kv, args=(layer, entry["block_ids"]))
             ref_k, ref_v = cache.layers[layer].keys[0, :, :n], cache.layers[layer].values[0, :, :n]
             torch.testing.assert_close(k, ref_k, atol=2e-3, rtol=1e-3)
             torch.testing.assert_close(v, ref_v, atol=2e-3, rtol=1e-3)
-    # The params' positions are a gap in bob's encoding; its value sits there.
-    start, length = layout_s.units["bob"].params["age"]
-    assert not set(range(start, start + length)) & set(layout_s.units["bob"].positions)
     # First generated tokens: the same as the dense masked computation.
-    segment, n = [], 0
-    for i, (key, count) in enumerate(layout.imports):
-        segment += [i] * count
-    segment += [-1] * (len(layout.token_ids) - len(segment))
-    ref = dense_reference(model, layout.token_ids, layout.positions, segment, 8)
+    ref = dense_reference(model, ids, positions, segment, 8)
     out = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
                        use_tqdm=False)[0]
-    assert list(out.prompt_token_ids) == layout.token_ids
+    assert list(out.prompt_token_ids) == ids
     assert list(out.outputs[0].token_ids) == ref
     # The shared tokens really were reused, not recomputed.
-    assert out.num_cached_tokens == layout.num_shared > 0
+    assert out.num_cached_tokens == sum(i >= 0 for i in segment) > 0
 
 
 def _ref_counts(llm) -> dict[str, list[int]]:
