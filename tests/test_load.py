@@ -1,12 +1,13 @@
 """A small run of the load benchmark (`python -m vllm_kvevict.eval.load`)
 against a real plugin server: 40 streaming requests at once (completions and
-chat, some cancelled mid-stream) under H2O at a budget that evicts. Afterwards vLLM's own accounting must show the pool whole
-(`vllm:kv_cache_usage_perc` and running requests back to 0), no response may
-carry another request's code word, and nothing may fail. Timings are not
-asserted (they live in the benchmark's table). The benchmark's comparison of
-solo re-sends with stock's needs a stock server under the same load, which the
-suite does not start (about a minute of one core); `load.checks` is held to
-made-up rows instead, which shows each of its checks fails on bad data."""
+chat, some cancelled mid-stream) under H2O at a budget that evicts. Afterwards
+vLLM's own accounting must show the pool whole (`vllm:kv_cache_usage_perc` and
+running requests back to 0), no response may carry another request's code
+word, and nothing may fail. Timings are not asserted (they live in the
+benchmark's table). The benchmark's comparison of solo re-sends with stock's
+needs a stock server under the same load, which the suite does not start (about
+a minute of one core); `load.checks` is held to made-up rows instead, which
+shows each of its checks fails on bad data."""
 
 import pytest
 
