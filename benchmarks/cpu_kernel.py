@@ -54,10 +54,11 @@ def main(argv=None) -> int:
     from vllm_kvevict import cpu_kernel
     from vllm_kvevict.core import scores
     from vllm_kvevict.core.cpu_layout import KVLayout
+    from vllm_kvevict.core.kernel_dispatch import cpu_path
 
     mod = cpu_kernel.module()
     if mod is None:
-        raise SystemExit(cpu_kernel.path())
+        raise SystemExit(cpu_path())
     paths = [i for i in cpu_kernel.ISAS if mod.supports(i)]
     layout_isa = "amx" if torch.cpu._is_amx_tile_supported() else "vec"
     layout = KVLayout.discover(ops.cpu_attn_reshape_and_cache, layout_isa, torch.bfloat16, BS, D, H)

@@ -43,6 +43,7 @@ def main(argv=None) -> int:
     p.add_argument("--md", help="also write the table here")
     args = p.parse_args(argv)
     from vllm_kvevict import cpu_kernel
+    from vllm_kvevict.core.kernel_dispatch import cpu_path
 
     runs: dict[str, list[float]] = {k: [] for k in args.policies}
     cpu: dict[str, list[float]] = {k: [] for k in args.policies}
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
     stock = runs.get("none")
     lines = [f"command: `{' '.join([os.path.relpath(sys.executable)] + sys.argv)}`  ",
              f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, flags "
-             f"`{cpu_kernel.cpu_flags()}`; scoring path: {cpu_kernel.path()}; {args.rounds} rounds, "
+             f"`{cpu_kernel.cpu_flags()}`; scoring path: {cpu_path()}; {args.rounds} rounds, "
              f"{time.time() - t0:.0f} s",
              "", "| policy | median out tok/s | runs | median ratio to stock (per round) "
              "| median tok per CPU-s | ratio to stock |", "|---|---:|---|---:|---:|---:|"]

@@ -312,9 +312,9 @@ def warm_up(llm, log: StepLog, cfg: dict) -> None:
 
 def scoring_path() -> str:
     """Where this engine scores (the compiled CPU kernel's path, or torch and why)."""
-    from vllm_kvevict import cpu_kernel
+    from vllm_kvevict.core.kernel_dispatch import cpu_path
 
-    return cpu_kernel.path()
+    return cpu_path()
 
 
 def worker_main(cfg: dict) -> None:

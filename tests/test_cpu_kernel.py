@@ -17,7 +17,7 @@ import torch
 from vllm_kvevict import cpu_kernel
 from vllm_kvevict.core import scores
 from vllm_kvevict.core.cpu_layout import KVLayout, split_kv_cache
-from vllm_kvevict.core.kernel_dispatch import cpu_kernel_isa
+from vllm_kvevict.core.kernel_dispatch import cpu_kernel_isa, cpu_path
 
 # (T0, D0, base, st1, st0, sd1, sd0) per layout, as KVLayout._fit_tiles finds them.
 TILES = {
@@ -161,14 +161,14 @@ def test_the_dispatcher_honours_the_forced_path_and_dtypes(monkeypatch):
     q16, q32 = torch.zeros(1, 1, 9, 64, dtype=torch.bfloat16), torch.zeros(1, 1, 9, 64)
     monkeypatch.setenv("VLLM_KVEVICT_CPU_ISA", "avx2")
     assert cpu_kernel_isa(q16, kc, layout) == "avx2"
-    assert cpu_kernel.path() == "cpu-kernel avx2"
+    assert cpu_path() == "cpu-kernel avx2"
     monkeypatch.setenv("VLLM_KVEVICT_CPU_ISA", "auto")
     best = cpu_kernel.isa()
     assert cpu_kernel_isa(q16, kc, layout) == best
     assert cpu_kernel_isa(q32, kc, layout) == "avx2"  # float32 queries: the float32 path
     monkeypatch.setenv("VLLM_KVEVICT_KERNELS", "torch")
     assert cpu_kernel_isa(q16, kc, layout) is None
-    assert cpu_kernel.path().startswith("torch (VLLM_KVEVICT_KERNELS=torch)")
+    assert cpu_path().startswith("torch (VLLM_KVEVICT_KERNELS=torch)")
     monkeypatch.setenv("VLLM_KVEVICT_KERNELS", "auto")
     monkeypatch.setenv("VLLM_KVEVICT_CPU_ISA", "sse")
     with pytest.raises(ValueError, match="VLLM_KVEVICT_CPU_ISA"):
@@ -179,10 +179,10 @@ def test_without_a_build_the_torch_path_runs_and_says_why(tmp_path):
     """A kernel cache with nothing built for this source: serving does not
     compile, it scores in torch and path() tells how to build."""
     code = ("import torch; from vllm_kvevict import cpu_kernel as c; "
-            "from vllm_kvevict.core.kernel_dispatch import cpu_kernel_isa; "
+            "from vllm_kvevict.core import kernel_dispatch as kd; from vllm_kvevict.core.kernel_dispatch import cpu_kernel_isa; "
             "from vllm_kvevict.core.cpu_layout import KVLayout; "
             "l = KVLayout('vec', torch.bfloat16, 32, 64, 1, None, None, (32, 64, 0, 0, 1, 0, 32), None); "
-            "print(c.module() is None, cpu_kernel_isa(torch.zeros(1), torch.zeros(1), l)); print(c.path())")
+            "print(c.module() is None, cpu_kernel_isa(torch.zeros(1), torch.zeros(1), l)); print(kd.cpu_path())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "VLLM_KVEVICT_KERNEL_CACHE": str(tmp_path)})
     first, second = out.stdout.splitlines()

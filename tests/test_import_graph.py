@@ -107,13 +107,6 @@ def test_core_imports_without_vllm():
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
-# Import cycles left in files another line of work is changing, each with the
-# fix it needs; the test fails once one is gone, so its entry goes with it.
-# - kernel_dispatch -> cpu_kernel (the kernel's path) and cpu_kernel.path() ->
-#   kernel_dispatch.mode(): path() should take the mode, or live in kernel_dispatch.
-KNOWN_CYCLES = {frozenset({"vllm_kvevict.core.kernel_dispatch", "vllm_kvevict.cpu_kernel"})}
-
-
 def _cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
     """The strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
@@ -152,9 +145,7 @@ def test_no_import_cycles():
     for n in graph:
         graph[n] = {t for t in graph[n] if not t.startswith(n + ".")}
     found = set(_cycles(graph))
-    assert not found - KNOWN_CYCLES, "import cycles: " + "; ".join(
-        " <-> ".join(sorted(c)) for c in found - KNOWN_CYCLES)
-    assert not KNOWN_CYCLES - found, f"gone now, remove from KNOWN_CYCLES: {KNOWN_CYCLES - found}"
+    assert not found, "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in found)
 
 
 def test_product_does_not_import_the_harness():

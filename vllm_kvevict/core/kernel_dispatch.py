@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import os
 
 import torch
@@ -53,6 +54,26 @@ def use_triton(x: torch.Tensor, layout=None) -> bool:
                 or layout.block_size & (layout.block_size - 1):
             return False  # the kernels tile one block of a power-of-two size
     return m == "triton" or x.is_cuda
+
+
+def cpu_path() -> str:
+    """One line: which scoring path runs on CPU tensors here, and why."""
+    from vllm_kvevict import cpu_kernel
+
+    if mode() == "torch":
+        return "torch (VLLM_KVEVICT_KERNELS=torch)"
+    if cpu_kernel.module() is None:
+        return ("torch (the CPU kernel is not built for this source and torch: "
+                "run scripts/setup.sh or python -m vllm_kvevict.cpu_kernel build)")
+    chosen = cpu_kernel.isa()
+    return f"cpu-kernel {chosen}" if chosen else "torch (this CPU has neither AVX-512 BF16 nor AVX2+FMA)"
+
+
+@functools.lru_cache(maxsize=None)
+def log_cpu_path_once() -> None:
+    """Log `cpu_path()` once per process (the worker calls this at startup);
+    under vLLM's "vllm" logger, so it prints with vLLM's own lines."""
+    logging.getLogger("vllm.kvevict").info("vllm_kvevict scoring on CPU tensors: %s", cpu_path())
 
 
 def cpu_kernel_isa(queries: torch.Tensor, keys: torch.Tensor, layout=None) -> str | None:

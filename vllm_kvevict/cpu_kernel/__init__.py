@@ -15,14 +15,14 @@ The instruction path (`isa()`), best first: ``amx`` where the CPU has AMX-BF16
 where it has AVX-512 BF16 (vdpbf16ps), both bf16 x bf16 products accumulated in
 float32; else ``avx2`` (float32 FMA). ``VLLM_KVEVICT_CPU_ISA=avx512bf16`` or
 ``=avx2`` forces a path (tests run every path the CPU has).
-``VLLM_KVEVICT_KERNELS=torch`` turns the kernel off (core/kernel_dispatch.py).
+``VLLM_KVEVICT_KERNELS=torch`` turns the kernel off; `kernel_dispatch.cpu_path()`
+says which path runs (core/kernel_dispatch.py).
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import importlib.util
-import logging
 import os
 import sys
 from pathlib import Path
@@ -101,30 +101,10 @@ def cpu_flags() -> str:
     return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
 
 
-def path() -> str:
-    """One line: which scoring path runs on CPU tensors here, and why."""
-    from vllm_kvevict.core.kernel_dispatch import mode
-
-    if mode() == "torch":
-        return "torch (VLLM_KVEVICT_KERNELS=torch)"
-    if module() is None:
-        return ("torch (the CPU kernel is not built for this source and torch: "
-                "run scripts/setup.sh or python -m vllm_kvevict.cpu_kernel build)")
-    chosen = isa()
-    return f"cpu-kernel {chosen}" if chosen else "torch (this CPU has neither AVX-512 BF16 nor AVX2+FMA)"
-
-
 def _queries(q: torch.Tensor, cache_dtype: torch.dtype, path_isa: str) -> torch.Tensor:
     if path_isa in ("amx", "avx512bf16"):
         return q.to(torch.bfloat16).contiguous()  # the dispatcher chose it for bf16 queries
     return (q if q.dtype == cache_dtype else q.to(torch.float32)).contiguous()
-
-
-@functools.lru_cache(maxsize=None)
-def log_path_once() -> None:
-    """Log `path()` once per process (the worker calls this at startup); under
-    vLLM's "vllm" logger, so it prints with vLLM's own lines."""
-    logging.getLogger("vllm.kvevict").info("vllm_kvevict scoring on CPU tensors: %s", path())
 
 
 def column_sums(layout, key_cache: torch.Tensor, queries: torch.Tensor, visible: torch.Tensor,

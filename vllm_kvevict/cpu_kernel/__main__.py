@@ -3,6 +3,7 @@ import sys
 import time
 
 from vllm_kvevict import cpu_kernel
+from vllm_kvevict.core.kernel_dispatch import cpu_path
 
 
 def main(argv: list[str]) -> int:
@@ -12,10 +13,10 @@ def main(argv: list[str]) -> int:
         had = cpu_kernel.module() is not None
         cpu_kernel.build(verbose="-v" in argv)
         what = "already built" if had else f"built in {time.monotonic() - t0:.0f} s"
-        print(f"CPU scoring kernel {what} ({cpu_kernel.build_dir()}); path: {cpu_kernel.path()}")
+        print(f"CPU scoring kernel {what} ({cpu_kernel.build_dir()}); path: {cpu_path()}")
         return 0
     if cmd == "info":
-        print(cpu_kernel.path())
+        print(cpu_path())
         return 0
     print(__doc__, file=sys.stderr)
     return 2

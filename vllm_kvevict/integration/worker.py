@@ -33,14 +33,18 @@ from typing import Any
 
 import torch
 
-from vllm_kvevict import cpu_kernel
 from vllm_kvevict.core.chunk_log import ChunkLog
 from vllm_kvevict.core.compaction import by_age, fill_holes, slot_order
 from vllm_kvevict.core.config import EvictionConfig
 from vllm_kvevict.core.cpu_layout import token_slots
 from vllm_kvevict.core.decode_log import DecodeQueryLog, StepPlacement
 from vllm_kvevict.core.host_tier import HostTier
-from vllm_kvevict.core.kernel_dispatch import triton_module, use_triton
+from vllm_kvevict.core.kernel_dispatch import (
+    cpu_path,
+    log_cpu_path_once,
+    triton_module,
+    use_triton,
+)
 from vllm_kvevict.core.layer_stack import LayerCache, LayerStack
 from vllm_kvevict.core.metrics import Snapshot
 from vllm_kvevict.core.plans import STEP_ATTR, CompactionPlan, EvictionStep
@@ -168,7 +172,7 @@ class WorkerEviction:
     def _write_metrics(self) -> None:
         if self._snapshot is None:
             self._snapshot = Snapshot("worker")
-        values = {"role": "worker", "rank": _worker_rank(), "scoring_path": cpu_kernel.path(),
+        values = {"role": "worker", "rank": _worker_rank(), "scoring_path": cpu_path(),
                   "compaction_seconds": self.compaction_seconds}
         if self.offload is not None:  # offload: what the host tier took (none before it exists)
             values["host_entries_offloaded"] = self.host.stats.entries_offloaded if self.host else 0
@@ -422,7 +426,7 @@ def init_worker_state(vllm_config, cfg: EvictionConfig, block_size: int) -> None
         if cfg.offload:
             _STATE.offload = OffloadState(vllm_config.model_config.model)
         if _STATE.policy.needs_scores or _STATE.policy.window:
-            cpu_kernel.log_path_once()
+            log_cpu_path_once()
 
 
 def worker_state() -> WorkerEviction | None:
