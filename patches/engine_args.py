@@ -3,7 +3,8 @@
 
 WHY: `vllm serve M --kv-eviction h2o` must parse, show in --help, and reach
      every process. vLLM has no hook for plugins to add engine flags.
-HOW: add an argument group; fold the parsed values into
+HOW: add an argument group, one flag per entry of vllm_kvevict/core/flags.py's
+     table (name, help, default, choices); fold the parsed values into
      `additional_config` (hashed and pickled to every process by vLLM); validate
      the settings (and the budget against the block size) in
      create_engine_config, so a bad value stops startup with the flag's name.
@@ -37,70 +38,11 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_kvevict.core.config import (
-    FLAGS,
-    POLICIES,
-    VICTIMS,
-    EvictionConfig,
-    EvictionConfigError,
-)
+from vllm_kvevict.core.config import EvictionConfig, EvictionConfigError
+from vllm_kvevict.core.flags import FLAGS, TABLE
 from vllm_kvevict.integration.settings import canonical, eviction_config
 
 from . import mark_patched
-
-_HELP = {
-    "kv_eviction": "KV cache eviction policy: h2o (heavy hitters by accumulated attention "
-                   "+ recent window), streaming (attention sinks + recent window), snapkv "
-                   "or andpro (tokens scored by the attention, or the value projection on "
-                   "the output, of the last --kv-window queries), infinigen (sinks + recent "
-                   "window resident, the rest offloaded to a host pool and fetched back "
-                   "when a decode query is predicted to need it). Default: none.",
-    "kv_budget": "Resident KV tokens per request: a token count (e.g. 256) or a "
-                 "fraction of the request's length (e.g. 0.2). Default: 1024.",
-    "kv_recent": "Recent-window size inside the budget, in the budget's unit "
-                 "(H2O's recent ratio). Default: half the budget; for snapkv and "
-                 "andpro, the observation window.",
-    "kv_sink": "Attention-sink tokens always kept by the streaming policy. Default: 4.",
-    "kv_window": "Observation window of snapkv and andpro: how many of the latest "
-                 "queries score the cache at each compaction. Default: 32.",
-    "kv_prefill_cap": "Resident tokens a request may hold while its prompt is prefilled "
-                      "in chunks. Default: auto: the prompt stays whole while the KV pool "
-                      "can hold its next chunk, and is compressed once, after its last "
-                      "chunk, so the policy sees the question at its end; when the pool "
-                      "is short it is compressed between chunks instead (counted in "
-                      "vllm_kvevict_prefill_fallbacks_total). 0: always between chunks.",
-    "kv_swap_space": "Host memory pool for offloaded KV per worker: a number of GiB, as "
-                     "vLLM's --swap-space reads it (4, 0.25), or a size with a unit "
-                     "(8GiB, 512MiB, 1073741824B). "
-                     "With h2o/andpro/snapkv/streaming it turns offload on: evicted KV "
-                     "goes to the pool instead of being dropped. Default: 4GiB under "
-                     "infinigen, else no offload.",
-    "kv_alpha": "Offload: fetch the host entries whose partial attention logit is "
-                "above max - alpha (InfiniGen's threshold). Default: 4.",
-    "kv_attend_cap": "Offload: at most this fraction of a request's tokens attended "
-                     "per decode step, resident and fetched (InfiniGen's 20%% cap). "
-                     "Default: 0.2.",
-    "kv_partial": "Offload: fraction of the head dimension in the skewed partial "
-                  "query/key that predicts attention. Default: 0.3.",
-    "kv_host_victim": "Offload: which block the full host pool drops: counter "
-                      "(InfiniGen), lru or fifo. Default: counter.",
-    "kv_skewing": "Offload: the InfiniGen skewing file to use. Default: the one "
-                  "`python -m vllm_kvevict.calibrate MODEL` wrote to its cache; startup "
-                  "stops, naming that command, when there is none.",
-    "kv_max_schemas": "Prompt modules: schemas that clients may register at once through "
-                      "/v1/kvevict/schemas, per API server process; 0 turns registration "
-                      "off. Default: 64.",
-    "kv_max_pinned": "Prompt modules: share of the KV block pool that registered schemas' "
-                     "module blocks may pin (e.g. 0.5 or 50%%); a schema past it is refused "
-                     "with 413. Default: 0.5.",
-    "kv_max_pml_bytes": "Prompt modules: largest PML text a client may send (a schema "
-                        "route's body, a prompt's <prompt> element), e.g. 1MiB; checked "
-                        "before parsing (413 for a schema body, 400 for a prompt). "
-                        "Default: 1MiB.",
-    "kv_max_modules": "Prompt modules: most <module>, <union> and <param> elements in one "
-                      "schema, and most module imports in one prompt; past it, 400. "
-                      "Default: 512.",
-}
 
 
 def _ours(cfg: EvictionConfig) -> str:
@@ -156,12 +98,12 @@ def apply() -> None:
             "KV eviction (vllm_kvevict)",
             "Keep only the KV cache each request needs; freed blocks go back to "
             "vLLM's block pool.")
-        for key, flag in FLAGS.items():
+        for flag in TABLE:  # core/flags.py: name, help, default and choices
             # SUPPRESS: an unset flag leaves additional_config alone, and --help
             # shows the real default from the text instead of "(default: None)".
-            group.add_argument(flag, dest=key, default=argparse.SUPPRESS, help=_HELP[key],
-                               **({"choices": POLICIES} if key == "kv_eviction" else
-                                  {"choices": VICTIMS} if key == "kv_host_victim" else {}))
+            group.add_argument(flag.flag, dest=flag.key, default=argparse.SUPPRESS,
+                               help=flag.help_text(),
+                               **({"choices": flag.choices} if flag.choices else {}))
         return parser
 
     def from_cli_args(cls, args):

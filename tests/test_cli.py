@@ -75,3 +75,18 @@ def test_help_shows_each_flag_with_its_default(parser, capsys):
         start = text.index(f"\n  {flag} ")
         entry = " ".join(text[start:start + 1000].split("\n  --")[1].split())
         assert default in entry and "(default: None)" not in entry, entry
+
+
+def test_help_is_the_flag_table(parser, capsys):
+    """Each flag's --help entry is its help and default in core/flags.py, and
+    the flags accept the table's choices."""
+    from vllm_kvevict.core.flags import TABLE
+
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help=kv-"])
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps, at hyphens too
+    for flag in TABLE:
+        want = "".join(flag.help_text().replace("%%", "%").split())
+        assert want in text, (flag.flag, want)
+        for choice in flag.choices or ():
+            assert parser.parse_args(["--model", "m", flag.flag, choice])

@@ -3,7 +3,8 @@
 Nothing here imports vLLM or the tooling (`eval`, `calibrate`, `demo`,
 `models`); tests/test_import_graph.py enforces it. Tensors in, tensors out:
 
-  config         EvictionConfig: every --kv-* setting, parsed and validated once
+  flags          every --kv-* setting declared once: key, flag, default, parser, help
+  config         EvictionConfig: those settings, parsed and validated once
   policies       H2O, StreamingLLM, SnapKV, AnDPro: scores -> kept slots
   scores         H2O's accumulated attention, read from the paged cache
   window_scores  SnapKV / AnDPro scores of the last `window` queries
