@@ -286,8 +286,8 @@ TABLE: tuple[Flag, ...] = (
     Flag("kv_swap_space", "offload", None, _swap_space, null_is_default=True,
          shown="`4GiB` under `infinigen`, else no offload",
          help="Host memory pool for offloaded KV per worker: a number of GiB, as vLLM's "
-              "`--swap-space` reads it (`4`, `0.25`), or a size with a unit (`8GiB`, "
-              "`512MiB`, `1073741824B`). With `h2o`, `andpro`, `snapkv` or `streaming` it "
+              "`--swap-space` reads it (`4`, `0.25`), `0.25` being 256 MiB, or a size "
+              "with a unit (`8GiB`, `512MiB`, `1073741824B`). With `h2o`, `andpro`, `snapkv` or `streaming` it "
               "turns offload on: evicted KV goes to the pool instead of being dropped."),
     Flag("kv_alpha", "offload", 4.0, _in(0.0, math.inf), null_is_default=True,
          help="Offload: fetch the host entries whose partial attention logit is above "
