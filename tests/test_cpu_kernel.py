@@ -295,13 +295,14 @@ def test_logged_queries_land_where_the_torch_path_puts_them(monkeypatch):
         pytest.fail("the CPU kernel is not built: scripts/setup.sh builds it")
     qkv = torch.randn(6, 15 * 64).to(torch.bfloat16)
     query = qkv[:, : 9 * 64].view(6, 9, 64)  # row stride 960, not 576
-    placement = StepPlacement(torch.arange(6), torch.tensor([3, 40, 7, 12, 63, 0]))
     calls = []
     real = mod.copy_rows
     monkeypatch.setattr(mod, "copy_rows", lambda *a: calls.append(1) or real(*a))
     got = {}
     for mode in ("auto", "torch"):
         monkeypatch.setenv("VLLM_KVEVICT_KERNELS", mode)
+        # the path is looked up once per step, when the placement is made
+        placement = StepPlacement(torch.arange(6), torch.tensor([3, 40, 7, 12, 63, 0]))
         queries = {}
         store_queries(queries, "layer.0", query, placement, rows=2, cols=32)
         got[mode] = queries["layer.0"]

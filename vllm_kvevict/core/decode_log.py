@@ -25,7 +25,7 @@ prefilled again.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,6 +49,9 @@ class StepPlacement:
     # Some row is scored in the forward (a prefill chunk neither deferred nor
     # unscored). False: the layers only log queries and zero the new slots.
     score_now: bool = True
+    # The compiled CPU kernel's module, whose copy_rows stores the queries of
+    # CPU buffers, or None (torch): looked up once per step, not per layer.
+    copier: Any = field(default_factory=cpu_copier)
 
     def defer(self, deferred: torch.Tensor | None, q_lens: list[int],
               scored: list[bool] | None) -> None:
@@ -78,15 +81,16 @@ def store_queries(queries: dict[str, torch.Tensor], layer: str, query: torch.Ten
             grown[:old] = buf
         queries[layer] = buf = grown
     n = placement.tokens.numel()
-    if n:
-        # Placed token indices are distinct and increasing, so placing all of
-        # them means all in order (a decode-only step): no gather needed.
-        src = query if n == query.shape[0] else query[placement.tokens.to(query.device)]
-        copier = cpu_copier(buf)
-        if copier is not None and src.flatten(1).stride(1) == 1:  # one memcpy per query
-            copier.copy_rows(buf.view(buf.shape[0] * cols, -1), placement.cells, src.flatten(1))
-        else:  # index_copy_ on the flat (row, column) axis
-            buf.view(-1, *buf.shape[2:]).index_copy_(0, placement.cells.to(buf.device), src)
+    if not n:
+        return
+    # Placed token indices are distinct and increasing, so placing all of
+    # them means all in order (a decode-only step): no gather needed.
+    src = query if n == query.shape[0] else query[placement.tokens.to(query.device)]
+    if placement.copier is not None and buf.device.type == "cpu":  # one memcpy per query
+        placement.copier.copy_rows(buf.view(buf.shape[0] * cols, -1), placement.cells,
+                                   src.flatten(1))
+    else:  # index_copy_ on the flat (row, column) axis
+        buf.view(-1, *buf.shape[2:]).index_copy_(0, placement.cells.to(buf.device), src)
 
 
 def score_logged(stacks: list, req_ids: list[str], blocks: list[list[int]],

@@ -112,10 +112,10 @@ def cpu_token_mover(layout, cache: torch.Tensor):
     return cpu_copier(cache)
 
 
-def cpu_copier(x: torch.Tensor):
+def cpu_copier(x: torch.Tensor | None = None):
     """The compiled CPU kernel's module for copies of CPU data (`copy_rows`,
-    `move_tokens`, `copy_blocks`), or None (torch)."""
-    if mode() == "torch" or x.device.type != "cpu":
+    `move_tokens`, `copy_blocks`; x: the data, None for CPU), or None (torch)."""
+    if mode() == "torch" or (x is not None and x.device.type != "cpu"):
         return None
     from vllm_kvevict import cpu_kernel
 
