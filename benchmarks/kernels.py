@@ -2,7 +2,7 @@
 
 Needs only torch + Triton (no vLLM), so it runs on the lent GPU machine:
 
-    python benchmarks/kernels.py --out benchmarks/kernels_gpu.md          # CUDA
+    python benchmarks/kernels.py --out results/gpu/kernels_gpu.md         # CUDA
     TRITON_INTERPRET=1 python benchmarks/kernels.py --smoke --device cpu  # CPU check
 
 Each row first checks the kernel against its torch reference in the cache

@@ -30,7 +30,7 @@ N_DOCS = 2
 POOL_MIB = 512  # all 6 schemas pinned at once, next to their requests (fp32)
 
 # Tolerance on |mean module score - mean plain score| over the 6 instances.
-# Measured noise (benchmarks/prompt_modules_quality.md, default run): putting
+# Measured noise (results/prompt_modules_quality/, default run): putting
 # the documents of the plain prompt in another order, which the answer does
 # not depend on, changed the niah score of 9 of 60 (instance, split) pairs
 # (3 better, 6 worse): p = 0.15 per instance. If each instance independently

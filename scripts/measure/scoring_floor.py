@@ -1,5 +1,5 @@
 """The least time exact H2O scoring can take on this CPU, against issue 19's
-allowances (benchmarks/scaling.json, or the file given: stock's own times from
+allowances (results/scaling/scaling.json, or the file given: stock's own times from
 the same run as the plugin's). One thread:
 
     VLLM_CPU_OMP_THREADS_BIND=0 taskset -c 0 .venv/bin/python scripts/measure/scoring_floor.py [SCALING.json]
@@ -35,7 +35,7 @@ from median_timing import median_ms
 
 LAYERS, Q_HEADS, KV_HEADS, D = 30, 9, 3, 64  # SmolLM2-135M, the benchmarks' model
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCALING = os.path.join(HERE, "..", "..", "benchmarks", "scaling.json")  # or argv[1]
+SCALING = os.path.join(HERE, "..", "..", "results", "scaling", "scaling.json")  # or argv[1]
 
 
 def product_rate(dtype: torch.dtype) -> float:
