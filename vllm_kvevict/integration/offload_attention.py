@@ -34,6 +34,7 @@ import torch
 
 from vllm_kvevict.core.host_tier import HostTier
 from vllm_kvevict.core.offload import Fetched, decode_attention, speculate
+from vllm_kvevict.integration.settings import parallel_ranks
 
 logger = logging.getLogger("vllm_kvevict")
 
@@ -82,7 +83,7 @@ def host_tier(state, layout, dtype: torch.dtype) -> HostTier:
         path = skewing_store.locate(off.model_dir, cfg.partial, cfg.skewing)
         sk = skewing.Skewing.load(path).packed()
         h_total, h = sk.num_kv_heads, layout.num_kv_heads
-        first = (_tp_rank() * h) % h_total  # this rank's KV heads
+        first = (parallel_ranks()[2] * h) % h_total  # this TP rank's KV heads
         a = sk.a[:, first:first + h]
         # K/V blocks and their partial keys share the budget (host_tier.py).
         capacity = HostTier.capacity_for(cfg.swap_bytes, sk.num_layers, h, layout.block_size,
@@ -193,13 +194,3 @@ def host_prefetch(state, layer: int, predict, kv_cache, attn_metadata, layout, s
 def _scale(layer, head_dim: int) -> float:
     impl = getattr(layer, "impl", None)
     return float(getattr(impl, "scale", head_dim ** -0.5))
-
-
-def _tp_rank() -> int:
-    try:
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        return get_tensor_model_parallel_rank()
-    except Exception:  # no parallel groups (unit tests): one rank
-        return 0
-

@@ -8,6 +8,9 @@ core, each worker, over `mp` or Ray). Every reader in those processes asks
 `eviction_config(vllm_config)`: the dict is parsed once per process and the
 same frozen value is returned after that. The KV cache spec carries that value
 itself to the scheduler's block manager.
+
+`parallel_ranks` is the one reader of where a worker sits among the engine's
+workers (its TP rank picks its KV heads; its global rank labels its metrics).
 """
 
 from __future__ import annotations
@@ -44,6 +47,18 @@ def eviction_config(source: Any = None) -> EvictionConfig:
     except TypeError:  # an unhashable value (a list...): uncached, to its error
         return _parse(dict(items))
     return _parse_items(items)
+
+
+def parallel_ranks() -> tuple[int, int, int]:
+    """This process's (pipeline stage, TP size, TP rank) in vLLM's parallel
+    groups; (0, 1, 0) where there are none (unit tests, a lone process)."""
+    try:
+        from vllm.distributed import get_pp_group, get_tp_group
+
+        tp = get_tp_group()
+        return get_pp_group().rank_in_group, tp.world_size, tp.rank_in_group
+    except Exception:  # no parallel groups: one rank
+        return 0, 1, 0
 
 
 def canonical(additional_config: dict | None) -> dict:

@@ -56,6 +56,7 @@ from vllm_kvevict.integration.offload_attention import (
     evicted_entries,
     host_tier,
 )
+from vllm_kvevict.integration.settings import parallel_ranks
 
 
 @dataclass
@@ -397,13 +398,8 @@ def _worker_rank() -> int:
     """This worker's rank among the model's workers: pp_stage * tp_size + tp_rank
     (the TP rank at one pipeline stage), so no two workers of an engine share a
     `compaction_seconds_total{rank}` series."""
-    try:
-        from vllm.distributed import get_pp_group, get_tp_group
-
-        tp = get_tp_group()
-        return get_pp_group().rank_in_group * tp.world_size + tp.rank_in_group
-    except Exception:  # no parallel groups (unit tests): one rank
-        return 0
+    stage, tp_size, tp_rank = parallel_ranks()
+    return stage * tp_size + tp_rank
 
 
 _STATE: WorkerEviction | None = None
