@@ -9,7 +9,7 @@ HOW: after the stock schedule(), drain the plans of every
      in the same step (preempted, aborted) were already dropped by the manager.
      New requests that can never exceed the budget are listed as unscored;
      H2O requests that start with shared blocks, with their shared length.
-     Also writes the eviction counters for /metrics (core/metrics.py).
+     Also writes the eviction counters for /metrics (integration/metrics.py).
      Before the stock schedule(), hands each manager the scheduler's requests
      (per-request budgets) and chunk size (prefill room, admission cap).
 UPSTREAM: a per-manager "worker metadata" hook on SchedulerOutput, or KV

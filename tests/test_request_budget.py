@@ -12,8 +12,8 @@ budget 256), so counters are compared before and after this file's requests.
 import pytest
 from conftest import PROMPTS, SERVER_BUDGET, engine_settings
 
-from vllm_kvevict.core.metrics import EvictionCollector
 from vllm_kvevict.core.planner import max_blocks_per_request
+from vllm_kvevict.integration.metrics import EvictionCollector
 from vllm_kvevict.integration.probe import attach
 
 MAX_TOKENS = 200  # prompts are 9-28 tokens: 209-228 per request, under 256

@@ -69,7 +69,7 @@ def register() -> None:
     from vllm_kvevict.integration.offload_connector import register as register_connector
 
     register_connector()  # the KV connector offload configures (--kv-swap-space)
-    from vllm_kvevict.core.metrics import register_collector
+    from vllm_kvevict.integration.metrics import register_collector
 
     register_collector()  # eviction counters on the API server's /metrics
     _registered = True

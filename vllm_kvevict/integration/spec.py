@@ -25,10 +25,10 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from vllm_kvevict.core.config import EvictionConfig
-from vllm_kvevict.core.metrics import BUSY_INTERVAL, Snapshot
 from vllm_kvevict.core.planner import compaction_target
 from vllm_kvevict.core.plans import CompactionPlan, EvictionStep
 from vllm_kvevict.core.policies import make_policy
+from vllm_kvevict.integration.metrics import BUSY_INTERVAL, Snapshot
 from vllm_kvevict.integration.module_store import layout_of
 
 
@@ -244,7 +244,7 @@ class EvictableAttentionManager(FullAttentionManager):
         return need + others <= self.block_pool.get_num_free_blocks()
 
     def write_metrics(self) -> None:
-        """Cumulative counters and resident tokens for /metrics (core/metrics.py).
+        """Cumulative counters and resident tokens for /metrics (integration/metrics.py).
         Called after every schedule() and whenever a request's blocks are freed,
         so an idle engine shows what it holds now; while requests run, at most
         every BUSY_INTERVAL seconds (the values change every step)."""

@@ -46,11 +46,11 @@ from vllm_kvevict.core.kernel_dispatch import (
     use_triton,
 )
 from vllm_kvevict.core.layer_stack import LayerCache, LayerStack
-from vllm_kvevict.core.metrics import Snapshot
 from vllm_kvevict.core.plans import STEP_ATTR, CompactionPlan, EvictionStep
 from vllm_kvevict.core.policies import make_policy
 from vllm_kvevict.core.private_scores import PrivateScores, restore
 from vllm_kvevict.core.query_window import QueryWindow
+from vllm_kvevict.integration.metrics import Snapshot
 from vllm_kvevict.integration.offload_attention import (
     OffloadState,
     evicted_entries,
