@@ -137,7 +137,7 @@ def install_timers():
 def run(model: str, name: str, extra: dict, reqs, args, timers) -> dict:
     from vllm import LLM, SamplingParams
 
-    from vllm_kvevict.integration.probe import attach
+    from vllm_kvevict.probe import attach
     from vllm_kvevict.integration.worker import worker_state
 
     llm = LLM(model, enforce_eager=True, seed=0, dtype=args.dtype, block_size=32,

@@ -104,7 +104,7 @@ from throughput import (
 )
 
 from vllm_kvevict.core.config import POLICIES
-from vllm_kvevict.integration.probe import scheduler_of
+from vllm_kvevict.probe import scheduler_of
 
 READY_MARKER = "@@KVEVICT_READY@@ "
 BLOCK_SIZE = 32

@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 
 from vllm_kvevict.core.config import POLICIES
-from vllm_kvevict.integration.probe import BlockProbe, attach
+from vllm_kvevict.probe import BlockProbe, attach
 
 RESULT_MARKER = "@@KVEVICT_RESULT@@ "
 KV_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}

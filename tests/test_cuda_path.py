@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import vllm.v1.attention.backends.flash_attn as fa
+from kept_positions import KeptRecorder
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -388,7 +389,6 @@ def compact_once(path, policy, dst_blocks, monkeypatch):
     raw = torch.randn(2 * nb, BS, HKV, 2 * D, generator=g).to(dtype)  # LBNHC, 2 layers
     state = worker.WorkerEviction(EvictionConfig.from_dict({"kv_eviction": policy,
                                                             "kv_budget": 32}), BS)
-    state.record_kept = True
     make_layout = NHDLayout.for_cache
     for i in range(2):
         lc = state.layer(f"l{i}", raw[i * nb:(i + 1) * nb].permute(0, 2, 1, 3), make_layout)
@@ -397,6 +397,7 @@ def compact_once(path, policy, dst_blocks, monkeypatch):
     state.runner = SimpleNamespace(requests={"a": SimpleNamespace(block_ids=[[3, 7, 1]])},
                                    input_batch=SimpleNamespace(req_id_to_index={}))
     assert len(state._stacks()) == 1  # one gather/kernel for both layers
+    recorder = KeptRecorder(state)
     state._compact(CompactionPlan("a", 0, (3, 7, 1), dst_blocks, old_len=40, new_len=20,
                                   logical_len=40, recent=10))
     order = state.order["a"].long()  # (layers, H, 20) slot of each token, oldest first
@@ -411,7 +412,7 @@ def compact_once(path, policy, dst_blocks, monkeypatch):
     others = [b for b in range(nb) if b not in dst_blocks]
     rest = torch.cat([raw[i * nb:(i + 1) * nb][others] for i in range(2)])
     return (torch.stack(kv).float(), scores and torch.stack(scores), rest.float(),
-            state.kept["a"].positions)
+            recorder.kept["a"].positions)
 
 
 @pytest.mark.parametrize("policy", ["h2o", "snapkv"])

@@ -19,6 +19,7 @@ from conftest import (
     make_llm,
     stock_ids,
 )
+from kept_positions import KeptRecorder
 
 from vllm_kvevict.core.planner import max_blocks_per_request
 
@@ -45,7 +46,7 @@ def test_budget_above_length_is_token_identical_to_stock(engines, model_path, po
     """Budget >= sequence length: no eviction, and the plugin's path (own KV write,
     scoring) must not change a single token versus vLLM without the plugin
     (stock: a subprocess with VLLM_PLUGINS="", once per session)."""
-    from vllm_kvevict.integration.probe import attach
+    from vllm_kvevict.probe import attach
 
     llm = engines.get(**engine_settings(policy))
     probe = attach(llm)
@@ -71,7 +72,7 @@ def test_scoring_every_step_without_eviction_is_token_identical_to_stock(
     from vllm import SamplingParams
 
     from vllm_kvevict import cpu_kernel
-    from vllm_kvevict.integration.probe import attach
+    from vllm_kvevict.probe import attach
     from vllm_kvevict.integration.worker import worker_state
 
     llm = engines.get(**engine_settings(policy))
@@ -120,7 +121,7 @@ def test_budget_above_length_is_token_identical_to_stock_in_bfloat16(fresh_engin
 
 @pytest.fixture
 def h2o_engine(engines):
-    from vllm_kvevict.integration.probe import attach
+    from vllm_kvevict.probe import attach
 
     llm = engines.get(**H2O)
     return llm, attach(llm)
@@ -237,25 +238,19 @@ def _h2o_kept_sets(llm, defer: bool):
     from vllm_kvevict.integration import worker as worker_mod
 
     state = worker_mod.worker_state()
-    state.record_kept = True
-    kept = []
-
-    def spy(plan, compact=state._compact):
-        compact(plan)
-        index = int(plan.req_id.split("-")[0])  # vLLM ids: "<index>-<random suffix>"
-        kept.append((index, plan.logical_len, state.kept[plan.req_id].positions.clone()))
-
-    state._compact = spy
+    recorder = KeptRecorder(state)
     if not defer:
         state.place_queries = lambda *args: None  # score every step at once
     try:
         outs = [list(o.outputs[0].token_ids) for o in
                 llm.generate(PROMPTS, greedy(160, 64, ignore_eos=True), use_tqdm=False)]
     finally:
-        del state._compact  # back to the class's methods
+        recorder.remove()  # back to the class's methods
         if not defer:
             del state.place_queries
-        state.record_kept = False
+    # vLLM ids: "<index>-<random suffix>"
+    kept = [(int(plan.req_id.split("-")[0]), plan.logical_len, positions)
+            for plan, positions in recorder.compactions]
     first = min(k[0] for k in kept)  # the engine numbers requests across calls
     return outs, sorted(((i - first, n, p) for i, n, p in kept), key=lambda k: (k[0], k[1]))
 
@@ -295,7 +290,7 @@ def test_window_policies_bound_blocks_and_free_everything(engines, policy):
     within the block bound (vLLM's req_to_blocks), and pool and query ring are
     empty once the requests finish. (The default, one compaction after the last
     chunk, is held to the dense reference in test_window_reference.py.)"""
-    from vllm_kvevict.integration.probe import attach
+    from vllm_kvevict.probe import attach
     from vllm_kvevict.integration.worker import worker_state
 
     text = open("/usr/share/common-licenses/GPL-3").read()
@@ -342,15 +337,7 @@ def test_streaming_keeps_exactly_sinks_and_recent_and_prefix_caching_is_safe(eng
     for caching in (False, True):
         llm = engines.get(enable_prefix_caching=caching, dtype="float32",
                           additional_config={"kv_eviction": "streaming", "kv_budget": 96})
-        state = worker_mod.worker_state()
-        state.record_kept = True
-        seen = []
-
-        def spy(plan, compact=state._compact, seen=seen, state=state):
-            compact(plan)
-            seen.append((plan, state.kept[plan.req_id].positions.clone()))
-
-        state._compact = spy
+        recorder = KeptRecorder(worker_mod.worker_state())
         try:
             outs, cached = [], []
             for p in prompts:  # one after the other: the second hits the prefix cache
@@ -358,8 +345,8 @@ def test_streaming_keeps_exactly_sinks_and_recent_and_prefix_caching_is_safe(eng
                 outs.append(list(out.outputs[0].token_ids))
                 cached.append(out.num_cached_tokens)
         finally:
-            del state._compact
-            state.record_kept = False
+            recorder.remove()
+        seen = recorder.compactions
         results[caching] = outs
         # vLLM's own count of prompt tokens served from its prefix cache: with
         # caching, the second request reuses every whole block of the shared prefix.
@@ -380,7 +367,7 @@ def test_preemption_under_eviction_gives_every_block_back(fresh_engines, model_p
     (budget 64): vLLM preempts and later re-prefills some of them. Every request
     still finishes at full length, the per-request bound holds, queries logged
     for a preempted request are dropped with its blocks, and the pool is whole."""
-    from vllm_kvevict.integration.probe import attach
+    from vllm_kvevict.probe import attach
     from vllm_kvevict.integration.worker import worker_state
 
     token_bytes = 30 * 3 * 64 * 2 * (4 if DTYPE == "float32" else 2)  # SmolLM2: K+V, 30 layers

@@ -24,8 +24,8 @@ one eviction batch (the plugin evicts a block's worth of tokens at once). RoPE
 positions stay logical.
 
 The vLLM half runs the plugin in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
-records the kept logical positions of every compaction, and the tests compare
-them, and the greedy tokens, with the reference: exact in fp32, every
+records the kept logical positions of every compaction (tests/kept_positions.py),
+and the tests compare them, and the greedy tokens, with the reference: exact in fp32, every
 (layer, KV head) kept set of every compaction (270/270 per prompt, 180/180
 with the prefix hit; a tie in the reference's scores fails H2O's tests too).
 The last test serves a prefix-cache hit: the request's scores of the shared
@@ -40,6 +40,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # worker in this p
 
 import pytest
 import torch
+from kept_positions import KeptRecorder
 
 BUDGET, RECENT, BLOCK = 64, 16, 32
 CHUNK = 128  # max_num_batched_tokens: the 150-token prompt is prefilled in 2 chunks
@@ -235,9 +236,7 @@ def llm(model_path, engines):
                      additional_config={"kv_eviction": "h2o", "kv_budget": BUDGET,
                                         "kv_recent": RECENT})
     torch._C.set_num_threads(1)
-    st = worker_state()
-    assert st is not None, "no in-process worker state: is multiprocessing on?"
-    st.record_kept = True
+    assert worker_state() is not None, "no in-process worker state: is multiprocessing on?"
     yield engine
     from conftest import close
 
@@ -252,23 +251,17 @@ def _vllm_generate(llm, prompt: list[int], max_tokens: int, extra_args: dict | N
     (requests with different salts never share prefix-cache blocks)."""
     from vllm import SamplingParams
 
-    from vllm_kvevict.integration.worker import WorkerEviction, worker_state
-
-    st = worker_state()
-    snaps = []
-    original = WorkerEviction._compact
-
-    def compact(self, plan):
-        original(self, plan)
-        snaps.append((plan, self.kept[plan.req_id].positions.clone()))
+    from vllm_kvevict.integration.worker import worker_state
 
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                         extra_args=extra_args)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(WorkerEviction, "_compact", compact)
+    recorder = KeptRecorder(worker_state())
+    try:
         [res] = llm.generate([{"prompt_token_ids": prompt,
                                **({"cache_salt": salt} if salt else {})}], sp, use_tqdm=False)
-    assert st.record_kept
+    finally:
+        recorder.remove()
+    snaps = recorder.compactions
     assert len({p.req_id for p, _ in snaps}) <= 1, "one request per generate call"
     return list(res.outputs[0].token_ids), snaps, res.num_cached_tokens
 
@@ -436,7 +429,7 @@ def _open_private_rows() -> dict:
 
 
 def _block_pool(engine):
-    from vllm_kvevict.integration.probe import scheduler_of
+    from vllm_kvevict.probe import scheduler_of
 
     return scheduler_of(engine).kv_cache_manager.block_pool
 

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {"vllm_kvevict": "vllm_kvevict", "patches": "vllm_kvevict.patches",
            "triton_kernels": "vllm_kvevict.triton_kernels"}
 TOOLING = ("vllm_kvevict.eval", "vllm_kvevict.calibrate", "vllm_kvevict.demo",
-           "vllm_kvevict.models", "vllm_kvevict.passages", "vllm_kvevict.inprocess")
+           "vllm_kvevict.models", "vllm_kvevict.passages", "vllm_kvevict.inprocess",
+           "vllm_kvevict.probe")
 VLLM_LAYER = ("vllm_kvevict.integration", "vllm_kvevict.patches")
 MAX_LINES = 400
 

@@ -21,7 +21,7 @@ def greedy(max_tokens, **kw):
 
 
 def _run(engines, extra, prompts, params):
-    from vllm_kvevict.integration.probe import attach
+    from vllm_kvevict.probe import attach
     from vllm_kvevict.integration.worker import worker_state
 
     llm = engines.get(dtype="float32", additional_config=extra)
@@ -86,7 +86,7 @@ def test_full_host_pool_drops_by_victim_policy_and_abort_frees_both_tiers(engine
     drops blocks (their entries leave with their partial keys: entries_dropped,
     and every later fetch of those rows counts them in entries_missed). Aborting the requests
     mid-decode empties the host tier and vLLM's BlockPool."""
-    from vllm_kvevict.integration.probe import attach
+    from vllm_kvevict.probe import attach
     from vllm_kvevict.integration.worker import worker_state
 
     llm = engines.get(dtype="float32", additional_config={

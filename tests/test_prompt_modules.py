@@ -13,7 +13,7 @@ import torch
 from vllm_kvevict.core.pml import parse_prompt
 from vllm_kvevict.core.prompt_layout import layout_prompt
 from vllm_kvevict.integration import prompt_modules as pm
-from vllm_kvevict.integration.probe import scheduler_of
+from vllm_kvevict.probe import scheduler_of
 
 BS = 32
 ALICE = ("Alice lives in Paris, where she bakes bread every morning before the sun rises. "

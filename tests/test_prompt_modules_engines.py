@@ -10,7 +10,7 @@ from conftest import engine_settings
 from test_prompt_modules import PROMPT, SCHEMA, _ref_counts, read_kv
 
 from vllm_kvevict.integration import prompt_modules as pm
-from vllm_kvevict.integration.probe import scheduler_of
+from vllm_kvevict.probe import scheduler_of
 
 
 @pytest.mark.parametrize("policy", ["andpro", "h2o"])
@@ -76,7 +76,7 @@ def test_preempted_importers_reattach_and_leave_the_pool_whole(engines):
     resume they adopt the module blocks again through the same path."""
     from vllm import SamplingParams
 
-    from vllm_kvevict.integration.probe import attach
+    from vllm_kvevict.probe import attach
 
     llm = engines.get(dtype="float32", kv_cache_memory_bytes=24 << 20, max_model_len=512)
     try:

@@ -25,7 +25,7 @@ from test_prompt_modules import SCHEMA
 
 from vllm_kvevict.integration import prompt_modules as pm
 from vllm_kvevict.integration.module_store import LAYOUT_KEY
-from vllm_kvevict.integration.probe import scheduler_of
+from vllm_kvevict.probe import scheduler_of
 
 # Long enough that the PML request computes several full blocks of its own
 # (the blocks a poisoned prefix cache would hand it); each test its own text,

@@ -14,7 +14,7 @@ from conftest import PROMPTS, SERVER_BUDGET, engine_settings
 
 from vllm_kvevict.core.planner import max_blocks_per_request
 from vllm_kvevict.integration.metrics import EvictionCollector
-from vllm_kvevict.integration.probe import attach
+from vllm_kvevict.probe import attach
 
 MAX_TOKENS = 200  # prompts are 9-28 tokens: 209-228 per request, under 256
 

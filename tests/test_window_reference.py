@@ -79,9 +79,7 @@ def llm(request, model_path, engines):
                      additional_config={"kv_eviction": request.param, "kv_budget": BUDGET,
                                         "kv_window": WINDOW})
     torch._C.set_num_threads(1)
-    st = worker_state()
-    assert st is not None, "no in-process worker state: is multiprocessing on?"
-    st.record_kept = True
+    assert worker_state() is not None, "no in-process worker state: is multiprocessing on?"
     yield request.param, engine
     from conftest import close
 

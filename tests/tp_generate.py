@@ -94,26 +94,14 @@ def record_compactions(worker) -> dict:
         pass
     if state is None:
         return info
-    state.record_kept, state.history = True, []
     import torch
 
     with torch.inference_mode():  # the buffers are inference tensors
         for st in state._stacks():
             st.scores.zero_()  # nothing runs between passes: `scored` counts this pass's
-    if not hasattr(state, "history_order"):
-        state.history_order = {}  # req_id -> first-seen number, this pass
-        compact = state._compact
-
-        def recording(plan):
-            compact(plan)
-            rec = state.kept.get(plan.req_id)
-            if rec is not None:
-                order = state.history_order
-                req = order.setdefault(plan.req_id, len(order))
-                state.history.append([req, plan.logical_len, rec.positions.tolist()])
-
-        state._compact = recording
-    state.history_order.clear()
+    if getattr(state, "kept_recorder", None) is None:
+        state.kept_recorder = kept_positions.KeptRecorder(state)
+    state.kept_recorder.compactions.clear()  # this pass's
     return info
 
 
@@ -127,10 +115,13 @@ def compaction_history(worker) -> dict:
 
     state = worker_state()
     stacks = state._stacks()
+    order = {}  # req_id -> first-seen number, this pass
+    history = [[order.setdefault(plan.req_id, len(order)), plan.logical_len, kept.tolist()]
+               for plan, kept in state.kept_recorder.compactions]
     return {"layers": [name for st in stacks for name in st.names],
             "kv_heads": sorted({lc.scores.shape[0] for lc in state.layers.values()}),
             "scored": sum(float(st.scores.sum()) for st in stacks),
-            "history": sorted(state.history, key=lambda h: (h[0], h[1]))}
+            "history": sorted(history, key=lambda h: (h[0], h[1]))}
 
 
 def make_llm(model: str, kv_bytes: int, eager: bool = True, **kwargs):
@@ -198,6 +189,14 @@ if __name__ == "__main__":
     kv_bytes = args.kv_bytes or (96 << 20) * (2 if args.dtype == "float32" else 1)
     from vllm import SamplingParams
 
+    if not stock:
+        # record_compactions runs in every worker, pickled by value from
+        # __main__; what it uses of tests/kept_positions.py goes by value too,
+        # so Ray workers need no access to tests/.
+        import cloudpickle
+        import kept_positions
+
+        cloudpickle.register_pickle_by_value(kept_positions)
     freeze()  # the first engine's start then collects only what is new (see close)
     atexit.register(gc.unfreeze)  # else Triton's nanobind types report leaks at exit
     prompts = json.load(sys.stdin)
@@ -226,7 +225,7 @@ if __name__ == "__main__":
         llm = make_llm(args.model, kv_bytes, eager=not run.get("compiled"), **kw)
         result, passes = {}, []
         if not stock:
-            from vllm_kvevict.integration.probe import attach
+            from vllm_kvevict.probe import attach
 
             probe = attach(llm)
             managers = probe.managers()

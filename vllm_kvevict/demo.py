@@ -33,7 +33,7 @@ PROMPTS = [
 def run(model: str, policy: str, args) -> dict:
     from vllm import LLM, SamplingParams
 
-    from vllm_kvevict.integration.probe import attach
+    from vllm_kvevict.probe import attach
 
     llm = LLM(model, enforce_eager=True, dtype="bfloat16", block_size=args.block_size,
               max_model_len=2048, kv_cache_memory_bytes=args.pool_mib << 20, seed=0,

@@ -160,7 +160,7 @@ def run_engine(spec: EngineSpec, model: str, policy: str, budget: float,
     by_task / prompts: task -> instances / their token-id prompts (same order).
     on_task(): called after each task (progress bars).
     """
-    from vllm_kvevict.integration.probe import attach
+    from vllm_kvevict.probe import attach
 
     t0 = time.perf_counter()
     llm = build_llm(spec, policy, budget)

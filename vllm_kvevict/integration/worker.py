@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,14 +58,6 @@ from vllm_kvevict.integration.offload_attention import (
 from vllm_kvevict.integration.settings import parallel_ranks
 
 
-@dataclass
-class KeptRecord:
-    """Which logical positions each (layer, head) slot holds after compaction;
-    the oracle that tests compare with a dense reference. (L, H, new_len) int64."""
-    positions: torch.Tensor
-    logical_len: int
-
-
 class WorkerEviction:
     def __init__(self, cfg: EvictionConfig, block_size: int) -> None:
         self.cfg = cfg
@@ -75,12 +66,10 @@ class WorkerEviction:
         self.layers: dict[str, LayerCache] = {}
         self.runner = None  # the GPUModelRunner (or subclass) of this process
         self.evicted: dict[str, int] = {}
-        self.kept: dict[str, KeptRecord] = {}
         # req_id -> (L_all, H, P) int32 slot of each resident token, oldest first,
         # after its last compaction (fill_holes leaves slots out of order):
         # 4 bytes per resident token and head, beside 4 * D bytes of its KV.
         self.order: dict[str, torch.Tensor] = {}
-        self.record_kept = False  # tests turn this on
         self.decode_log = DecodeQueryLog()
         self.chunk_log = ChunkLog()  # h2o: short prefill chunks, scored next step
         self.private = PrivateScores()  # h2o: scores of shared first blocks
@@ -167,8 +156,6 @@ class WorkerEviction:
             self.compaction_seconds += time.perf_counter() - start
             self._write_metrics()
         self.evicted = step.evicted
-        for req_id in scheduler_output.finished_req_ids:
-            self.kept.pop(req_id, None)
 
     def _write_metrics(self) -> None:
         if self._snapshot is None:
@@ -288,9 +275,8 @@ class WorkerEviction:
         dst_blocks = torch.tensor(plan.dst_block_ids, dtype=torch.int64)
         src = token_slots(src_blocks, plan.old_len, bs)  # (old_len,) slots of the old tokens
         keep_recent = plan.recent
-        logical = self._logical_positions(self.kept.get(plan.req_id), plan)
         order = slot_order(self.order.get(plan.req_id), plan.old_len)  # (L_all, H, old_len)
-        kept_positions, new_order = [], []
+        new_order = []
         evicted_kv = []  # offload: (k, v) per stack, (L, H, E, D)
         first = 0
         for st in self._stacks():
@@ -342,10 +328,6 @@ class WorkerEviction:
                 # ones): the private scores go beside the tokens.
                 restore(st.scores, private, keep, after, dst_rows, bs)
             new_order.append(after.to(torch.int32))  # stays on the cache's device
-            if self.record_kept:
-                pos = (logical[first:first + num_layers] if logical.dim() == 3
-                       else logical.expand(num_layers, h, -1))
-                kept_positions.append(pos.gather(2, keep.to(pos.device)))
             first += num_layers
         self.order[plan.req_id] = torch.cat(new_order)
         self.private.drop([plan.req_id])
@@ -354,8 +336,6 @@ class WorkerEviction:
             tier.offload(plan.req_id, torch.cat([k for k, _ in evicted_kv]),
                          torch.cat([v for _, v in evicted_kv]))
         self.query_window.compacted(plan.req_id, keep_recent)
-        if self.record_kept:
-            self.kept[plan.req_id] = KeptRecord(torch.cat(kept_positions), plan.logical_len)
         if req_state is None:  # new: the row comes with this step's output
             return
         # The request's row is now exactly dst; this step's new blocks follow.
@@ -381,17 +361,6 @@ class WorkerEviction:
             return scores
         q, scale = win
         return self.policy.scores(q.to(k.device), k, v, scale, recent)
-
-    def _logical_positions(self, prev: KeptRecord | None, plan: CompactionPlan):
-        """Logical position of each of the old_len tokens, oldest first: (L, H, n) or (n,)."""
-        if not self.record_kept:
-            return torch.empty(0)
-        if prev is None:
-            return torch.arange(plan.old_len)
-        fresh = torch.arange(prev.logical_len, plan.logical_len)
-        fresh = fresh.expand(*prev.positions.shape[:2], -1)
-        full = torch.cat([prev.positions, fresh], dim=2)
-        return full[:, :, : plan.old_len]
 
 
 def _worker_rank() -> int:
