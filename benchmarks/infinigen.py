@@ -33,7 +33,7 @@ the most KV blocks one request held in vLLM's BlockPool.
 Where offload's time goes (offload engines only, "-" otherwise), in ms per
 generated token: a stage's time summed over the timed generate call (every
 layer of every step) divided by the tokens generated, so comparable with
-1000 / tok/s. Timers wrap plugin functions from this script only (scaling.py's
+1000 / tok/s. Timers wrap plugin functions from this script only (common.py's
 Timers: exclusive time, nested timed calls subtracted from their caller):
   spec.     the KV connector's speculation for layer i+1 after layer i
             (offload_connector.host_prefetch): the step's rows with host
@@ -96,7 +96,7 @@ def install_timers():
     """Time offload's stages (module docstring), wrapping each function where it
     is looked up. select_entries and HostTier.fetch serve both selections: they
     are timed on their own only outside speculation, whose time keeps them."""
-    from scaling import Timers
+    from common import Timers
 
     from vllm_kvevict.core import host_tier, offload
     from vllm_kvevict.integration import cpu_backend, offload_connector

@@ -16,7 +16,7 @@ the plugin's cost over a run), same settings otherwise:
   <policy>     --kv-eviction <policy> --kv-budget <budget>
 
 Per request: `max_tokens=1` (so latency = time to first token), the time
-spent in the plugin's per-step worker functions (benchmarks/scaling.py's
+spent in the plugin's per-step worker functions (benchmarks/common.py's
 timers: scoring, compaction, bookkeeping; the scheduler-side block manager is
 not in it) and vLLM's own
 `num_cached_tokens` (the offline counterpart of the server's
@@ -68,7 +68,7 @@ def run(model: str, name: str, extra: dict, prompts: list[str], args,
               enable_prefix_caching=True, additional_config=extra)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     llm.generate(["warm up"], SamplingParams(max_tokens=1), use_tqdm=False)
-    from scaling import install_timers  # benchmarks/scaling.py: the plugin's per-step functions
+    from common import install_timers  # the plugin's per-step functions
 
     timers = install_timers()
     rows = []

@@ -25,7 +25,7 @@ Method
   alternating between points, so slow drift on a shared machine (another
   process on the other core) hits both sides alike.
 * A point. `batch` requests, prompts of exactly `ctx` token ids sliced from a
-  real-text corpus at distinct offsets (benchmarks/throughput.make_prompts),
+  real-text corpus at distinct offsets (benchmarks/common.make_prompts),
   max_tokens = --decode (default 96 = 3 blocks), ignore_eos, greedy. The
   engine is driven step by step (LLMEngine.step) and every step is timed.
   Only steps whose SchedulerOutput schedules exactly one token for each of the
@@ -47,8 +47,9 @@ Method
   work for ctx >= 1024). Compactions are the scheduler-side manager's own
   num_compactions counter (expect about 2 per request with decode 96).
 * Breakdown (plugin rows): timers wrapped around plugin functions from this
-  script only (no plugin file is edited), nested timers count exclusive time,
-  summed over the decode steps and divided by their number:
+  script only (no plugin file is edited; the list is common.PER_STEP), nested
+  timers count exclusive time, summed over the decode steps and divided by
+  their number:
     scoring     backend.score_step (per layer: store the step's queries, zero
                 new slots), DecodeQueryLog.flush (batched H2O scoring of the
                 logged queries, wherever called), WorkerEviction._window_scores
@@ -68,9 +69,10 @@ whose prompt tokens batch * ctx exceed --kv-cap (default 64K tokens: the
 prefill of the larger points costs minutes each on one core; pass
 --kv-cap 131072 to add 32x4096 and 128x1024). Skipped points are printed.
 
-Command (full default grid, one core; see benchmarks/scaling.md for its time):
+Command (full default grid, one core; see results/scaling/scaling.md for its time):
     VLLM_CPU_OMP_THREADS_BIND=1 taskset -c 1 .venv/bin/python benchmarks/scaling.py \\
-        --json benchmarks/scaling.json --plot benchmarks/scaling.png
+        --json results/scaling/scaling.json --plot results/scaling/scaling.png \\
+        --md results/scaling/scaling.md
 Smoke test (a few minutes):
     VLLM_CPU_OMP_THREADS_BIND=1 taskset -c 1 .venv/bin/python benchmarks/scaling.py --quick
 """
@@ -83,7 +85,6 @@ import os
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 import argparse
-import functools
 import json
 import math
 import platform
@@ -91,13 +92,15 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
-from throughput import (
+from common import (
+    CATEGORIES,
     RESULT_MARKER,
-    _fmt,
+    Timers,
+    fmt,
     git_head,
+    install_timers,
     kv_bytes_per_token,
     make_prompts,
     plugin_fingerprint,
@@ -109,7 +112,6 @@ from vllm_kvevict.probe import scheduler_of
 READY_MARKER = "@@KVEVICT_READY@@ "
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 8192
-CATEGORIES = ("scoring", "compaction", "bookkeeping")
 
 
 # --------------------------------------------------------------------------- grid
@@ -138,62 +140,6 @@ def engine_config(policy: str, ctx: int, max_batch: int, args) -> dict:
     return dict(policy=policy, ctx=ctx, max_batch=max_batch, model=args.model,
                 dtype=args.dtype, decode=args.decode, pool_blocks=blocks,
                 max_num_batched_tokens=max(max_batch * ctx, MAX_MODEL_LEN))
-
-
-# --------------------------------------------------------------------------- timers
-
-
-class Timers:
-    """Exclusive wall time per category of wrapped functions (nested calls are
-    subtracted from their caller), plus call counts."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
-        self._stack: list[float] = []  # child time of each open call
-
-    def reset(self) -> None:
-        self.seconds.clear()
-        self.calls.clear()
-
-    def patch(self, owner, name: str, category: str) -> None:
-        """Replace owner.name (a class method or a module global) by a timed wrapper."""
-        fn = getattr(owner, name)
-
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            self._stack.append(0.0)
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                dt = time.perf_counter() - t0
-                child = self._stack.pop()
-                self.seconds[category] += dt - child
-                self.calls[name] += 1
-                if self._stack:
-                    self._stack[-1] += dt
-
-        setattr(owner, name, timed)
-
-
-def install_timers() -> Timers:
-    """Wrap the plugin's per-step functions where they are looked up: methods on
-    their classes, module-level functions in the module that calls them."""
-    from vllm_kvevict.core import chunk_log, decode_log
-    from vllm_kvevict.integration import cpu_backend, spec, worker
-
-    t = Timers()
-    t.patch(cpu_backend, "score_step", "scoring")  # called by EvictingCPUAttentionImpl.forward
-    t.patch(decode_log.DecodeQueryLog, "flush", "scoring")
-    t.patch(chunk_log.ChunkLog, "flush", "scoring")
-    t.patch(worker.WorkerEviction, "_window_scores", "scoring")
-    t.patch(worker.WorkerEviction, "_compact", "compaction")
-    t.patch(worker.WorkerEviction, "begin_step", "bookkeeping")
-    t.patch(worker.WorkerEviction, "place_queries", "bookkeeping")
-    t.patch(cpu_backend, "physical_metadata", "bookkeeping")  # called by the metadata builder
-    t.patch(spec.EvictableAttentionManager, "remove_skipped_blocks", "bookkeeping")
-    return t
 
 
 # --------------------------------------------------------------------------- worker side
@@ -431,7 +377,7 @@ def _summary(r: dict) -> str:
     head = f"{r['policy']:>9} batch {r['batch']:>3} ctx {r['ctx']:>5}: "
     if not r.get("ok"):
         return head + f"FAILED {r.get('error')}"
-    return head + (f"{_fmt(r['mean_ms'], '.1f')} ms/step mean, {_fmt(r['median_ms'], '.1f')} "
+    return head + (f"{fmt(r['mean_ms'], '.1f')} ms/step mean, {fmt(r['median_ms'], '.1f')} "
                    f"median over {r['decode_steps']} decode steps, {r['compactions']} "
                    f"compactions, prefill {r['prefill_s']:.1f}s, wall {r['wall_s']:.1f}s")
 

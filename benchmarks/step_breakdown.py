@@ -9,7 +9,7 @@ or in the memory-short throughput benchmark.
 chat requests x 256 greedy tokens, budget 160, block 32, bf16, memory ample);
 `--workload short` runs `benchmarks/throughput.py`'s memory-short
 configuration (64 x (256 + 512) tokens, an 8K-token pool, budget 160, recent
-64). Each policy runs once per round, in a fresh process, with `benchmarks/scaling.py`'s timers around the plugin's
+64). Each policy runs once per round, in a fresh process, with `benchmarks/common.py`'s timers around the plugin's
 per-step functions (exclusive time, nested calls subtracted), and prints per
 policy: output tok/s, the batch's wall time, and the seconds spent in
 
@@ -32,14 +32,14 @@ import json
 import os
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+from common import CATEGORIES
 
-CATEGORIES = ("scoring", "compaction", "bookkeeping")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def one(policy: str, workload: str = "demo") -> dict:
     """The workload under `policy` with timers, in this (fresh) process."""
-    from scaling import install_timers
+    from common import install_timers
 
     from vllm_kvevict.models import ensure_smollm2
 

@@ -52,50 +52,17 @@ import sys
 import time
 from pathlib import Path
 
+from common import (
+    RESULT_MARKER,
+    fmt,
+    git_head,
+    kv_bytes_per_token,
+    make_prompts,
+    plugin_fingerprint,
+)
+
 from vllm_kvevict.core.config import POLICIES
 from vllm_kvevict.probe import BlockProbe, attach
-
-RESULT_MARKER = "@@KVEVICT_RESULT@@ "
-KV_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
-
-
-# --------------------------------------------------------------------------- workload
-
-
-def corpus_text() -> str:
-    """Real English text: the GPL-3 text, then Python's pydoc topics."""
-    parts = []
-    gpl = Path("/usr/share/common-licenses/GPL-3")
-    if gpl.is_file():
-        parts.append(gpl.read_text(encoding="utf-8", errors="replace"))
-    from pydoc_data.topics import topics
-
-    parts.extend(topics[k] for k in sorted(topics))
-    return "\n\n".join(parts)
-
-
-def make_prompts(model: str, num: int, length: int, seed_offset: int = 0) -> list[list[int]]:
-    """`num` prompts of exactly `length` token ids, sliced from the corpus at
-    distinct, spread-out offsets (so no two share a first KV block)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model)
-    ids = tok(corpus_text(), add_special_tokens=False)["input_ids"]
-    span = len(ids) - length
-    if span < num:
-        raise SystemExit(f"corpus has {len(ids)} tokens: too short for {num} x {length}")
-    stride = span // num
-    return [ids[seed_offset + i * stride: seed_offset + i * stride + length]
-            for i in range(num)]
-
-
-def kv_bytes_per_token(model: str, dtype: str) -> int:
-    """2 (K and V) * layers * kv heads * head dim * dtype bytes."""
-    cfg = json.loads((Path(model) / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * KV_DTYPE_BYTES[dtype]
-
 
 # --------------------------------------------------------------------------- one run
 
@@ -142,35 +109,6 @@ class StepRecorder(BlockProbe):
                     "physical": physical, "prompt": req.num_prompt_tokens,
                     "scheduled_now": out.num_scheduled_tokens.get(rid, 0),
                     "num_preemptions": req.num_preemptions}
-
-
-def plugin_fingerprint() -> str:
-    """Short hash of the plugin's source as this process imported it (the
-    working tree may change under a long run: this makes that visible)."""
-    import hashlib
-
-    import vllm_kvevict
-
-    h = hashlib.sha1()
-    root = Path(vllm_kvevict.__file__).resolve().parent.parent
-    for sub in ("vllm_kvevict", "patches"):
-        for f in sorted((root / sub).rglob("*.py")):
-            h.update(str(f.relative_to(root)).encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:10]
-
-
-def git_head() -> str | None:
-    try:
-        root = Path(__file__).resolve().parent.parent
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--",
-                                "vllm_kvevict", "patches"], capture_output=True, text=True,
-                               timeout=10).stdout.strip()
-        return head + ("+dirty" if dirty else "") if head else None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def run_config(cfg: dict) -> dict:
@@ -390,10 +328,6 @@ def run_one(cfg: dict, same_process: bool, verbose: bool) -> dict:
 # --------------------------------------------------------------------------- reporting
 
 
-def _fmt(v, spec=""):
-    return "-" if v is None else format(v, spec)
-
-
 def stock_of(results: list[dict]) -> dict | None:
     return next((r for r in results if r["policy"] == "none" and r.get("ok")
                  and r.get("pool_multiple", 1) == 1), None)
@@ -444,10 +378,10 @@ def _table(results: list[dict], cols: list[str], cells) -> str:
 def table_constrained(results: list[dict]) -> str:
     def cells(r, stock):
         speed = r["out_tok_s"] / stock["out_tok_s"] if stock else None
-        return [f"{r['out_tok_s']:.1f}", f"{_fmt(speed, '.2f')}x",
+        return [f"{r['out_tok_s']:.1f}", f"{fmt(speed, '.2f')}x",
                 f"{r['peak_blocks']}/{r['num_gpu_blocks'] - 1}", f"{r['mean_running']:.1f}",
                 r["preemptions"], r["max_blocks_per_request"], _kept(r),
-                _fmt(r["out_tok_per_cpu_s"], ".1f")]
+                fmt(r["out_tok_per_cpu_s"], ".1f")]
 
     return _table(results, ["out tok/s", "speedup vs stock", "peak blocks", "mean running",
                             "preemptions", "max blocks/request", "kept/seen tokens (end)",
@@ -457,8 +391,8 @@ def table_constrained(results: list[dict]) -> str:
 def table_ample(results: list[dict]) -> str:
     def cells(r, stock):
         slow = (1 - r["out_tok_s"] / stock["out_tok_s"]) if stock else None
-        return [f"{r['out_tok_s']:.1f}", f"{_fmt(None if slow is None else 100 * slow, '+.1f')}%",
-                _fmt(r["median_ms_per_step"], ".1f"), _fmt(r["cpu_ms_per_step"], ".1f"),
+        return [f"{r['out_tok_s']:.1f}", f"{fmt(None if slow is None else 100 * slow, '+.1f')}%",
+                fmt(r["median_ms_per_step"], ".1f"), fmt(r["cpu_ms_per_step"], ".1f"),
                 f"{r['mean_running']:.1f}", r["preemptions"], r["num_compactions"], _kept(r)]
 
     return _table(results, ["out tok/s", "slowdown vs stock", "median ms/step", "CPU ms/step",
@@ -478,7 +412,7 @@ def notes(results: list[dict]) -> str:
         reps = ", ".join(f"{v:.1f}" for v in r["repeat_out_tok_s"])
         load = f"{r['loadavg_before'][0]:.1f}->{r['loadavg_after'][0]:.1f}"
         out.append(f"- {name}: wall {r['wall_s']:.1f}s, {r['steps']} steps, "
-                   f"mean {_fmt(r['ms_per_step'], '.1f')} ms/step, CPU {r['cpu_s']:.1f}s, "
+                   f"mean {fmt(r['ms_per_step'], '.1f')} ms/step, CPU {r['cpu_s']:.1f}s, "
                    f"tok/s per repeat [{reps}], 1-min load {load}, "
                    f"{r['num_compactions']} compactions / {r['num_tokens_evicted']} tokens "
                    f"evicted" + ("" if d is None else

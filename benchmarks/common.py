@@ -1,0 +1,171 @@
+"""What the benchmark scripts share: workload prompts, the record of which code
+ran, the child-process result marker, number formatting, and the timers that
+split the plugin's per-step time into scoring, compaction and bookkeeping.
+
+A script imports these from here (`from common import ...`: `python
+benchmarks/X.py` puts this folder on sys.path), never from a sibling script.
+
+The timers reach into the plugin's internals on purpose: the breakdown is per
+function, and the functions that do the work (`WorkerEviction._compact`,
+`_window_scores`, the backend's `score_step`) have no public seam that times
+them exclusively. They are all named in `PER_STEP` below, so a rename in the
+plugin fails here, at install time, naming the entry.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import time
+from collections import defaultdict
+from pathlib import Path
+
+RESULT_MARKER = "@@KVEVICT_RESULT@@ "  # a child process's result line on stdout
+KV_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
+CATEGORIES = ("scoring", "compaction", "bookkeeping")
+
+
+def fmt(v, spec=""):
+    """`v` formatted, '-' for None (a missing stock run, a failed row)."""
+    return "-" if v is None else format(v, spec)
+
+
+# --------------------------------------------------------------------------- workload
+
+
+def corpus_text() -> str:
+    """Real English text: the GPL-3 text, then Python's pydoc topics."""
+    parts = []
+    gpl = Path("/usr/share/common-licenses/GPL-3")
+    if gpl.is_file():
+        parts.append(gpl.read_text(encoding="utf-8", errors="replace"))
+    from pydoc_data.topics import topics
+
+    parts.extend(topics[k] for k in sorted(topics))
+    return "\n\n".join(parts)
+
+
+def make_prompts(model: str, num: int, length: int, seed_offset: int = 0) -> list[list[int]]:
+    """`num` prompts of exactly `length` token ids, sliced from the corpus at
+    distinct, spread-out offsets (so no two share a first KV block)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    ids = tok(corpus_text(), add_special_tokens=False)["input_ids"]
+    span = len(ids) - length
+    if span < num:
+        raise SystemExit(f"corpus has {len(ids)} tokens: too short for {num} x {length}")
+    stride = span // num
+    return [ids[seed_offset + i * stride: seed_offset + i * stride + length]
+            for i in range(num)]
+
+
+def kv_bytes_per_token(model: str, dtype: str) -> int:
+    """2 (K and V) * layers * kv heads * head dim * dtype bytes."""
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * KV_DTYPE_BYTES[dtype]
+
+
+# --------------------------------------------------------------------------- which code ran
+
+
+def plugin_fingerprint() -> str:
+    """Short hash of the plugin's source as this process imported it (the
+    working tree may change under a long run: this makes that visible)."""
+    import hashlib
+
+    import vllm_kvevict
+
+    h = hashlib.sha1()
+    root = Path(vllm_kvevict.__file__).resolve().parent.parent
+    for sub in ("vllm_kvevict", "patches"):
+        for f in sorted((root / sub).rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:10]
+
+
+def git_head() -> str | None:
+    try:
+        root = Path(__file__).resolve().parent.parent
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--",
+                                "vllm_kvevict", "patches"], capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+        return head + ("+dirty" if dirty else "") if head else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+# --------------------------------------------------------------------------- timers
+
+
+class Timers:
+    """Exclusive wall time per category of wrapped functions (nested calls are
+    subtracted from their caller), plus call counts."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._stack: list[float] = []  # child time of each open call
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+    def patch(self, owner, name: str, category: str) -> None:
+        """Replace owner.name (a class method or a module global) by a timed wrapper."""
+        fn = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            self._stack.append(0.0)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                child = self._stack.pop()
+                self.seconds[category] += dt - child
+                self.calls[name] += 1
+                if self._stack:
+                    self._stack[-1] += dt
+
+        setattr(owner, name, timed)
+
+
+# (module, attribute path, name, category): where each per-step function is
+# looked up: methods on their classes, module-level functions in the module
+# that calls them.
+PER_STEP = (
+    ("vllm_kvevict.integration.cpu_backend", "", "score_step", "scoring"),  # by the Impl's forward
+    ("vllm_kvevict.core.decode_log", "DecodeQueryLog", "flush", "scoring"),
+    ("vllm_kvevict.core.chunk_log", "ChunkLog", "flush", "scoring"),
+    ("vllm_kvevict.integration.worker", "WorkerEviction", "_window_scores", "scoring"),
+    ("vllm_kvevict.integration.worker", "WorkerEviction", "_compact", "compaction"),
+    ("vllm_kvevict.integration.worker", "WorkerEviction", "begin_step", "bookkeeping"),
+    ("vllm_kvevict.integration.worker", "WorkerEviction", "place_queries", "bookkeeping"),
+    ("vllm_kvevict.integration.cpu_backend", "", "physical_metadata", "bookkeeping"),  # by the builder
+    ("vllm_kvevict.integration.spec", "EvictableAttentionManager", "remove_skipped_blocks",
+     "bookkeeping"),
+)
+
+
+def install_timers() -> Timers:
+    """Wrap the plugin's per-step functions (`PER_STEP`) with one `Timers`."""
+    import importlib
+
+    t = Timers()
+    for module, owner, name, category in PER_STEP:
+        obj = importlib.import_module(module)
+        if owner:
+            obj = getattr(obj, owner)
+        if not hasattr(obj, name):
+            raise AttributeError(f"benchmarks/common.py PER_STEP: {module}.{owner or ''}"
+                                 f"{'.' if owner else ''}{name} no longer exists")
+        t.patch(obj, name, category)
+    return t
