@@ -2,6 +2,7 @@
 --verbose, errors kept; benchmarks/demo_ratio.py's way of calling it unchanged."""
 
 import inspect
+import os
 import subprocess
 import sys
 
@@ -23,8 +24,13 @@ log.info("hidden after"); log.warning("hidden after"); log.error("shown after")
 
 
 def test_quiet_keeps_errors_only():
+    # A level set in the environment wins (by design), and another test in this
+    # worker may have set one (vllm_kvevict.eval.__main__ does on import): the
+    # child starts without it, as a user's shell does.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VLLM_LOGGING_LEVEL", "TORCH_CPP_LOG_LEVEL")}
     out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True,
-                         timeout=300)
+                         timeout=300, env=env)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
     assert "shown before" in text and "shown after" in text, text[-3000:]
