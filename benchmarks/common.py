@@ -143,8 +143,8 @@ class Timers:
 # that calls them.
 PER_STEP = (
     ("vllm_kvevict.integration.cpu_backend", "", "score_step", "scoring"),  # by the Impl's forward
-    ("vllm_kvevict.core.decode_log", "DecodeQueryLog", "flush", "scoring"),
-    ("vllm_kvevict.core.chunk_log", "ChunkLog", "flush", "scoring"),
+    ("vllm_kvevict.core.scoring.decode_log", "DecodeQueryLog", "flush", "scoring"),
+    ("vllm_kvevict.core.scoring.chunk_log", "ChunkLog", "flush", "scoring"),
     ("vllm_kvevict.integration.worker", "WorkerEviction", "_window_scores", "scoring"),
     ("vllm_kvevict.integration.worker", "WorkerEviction", "_compact", "compaction"),
     ("vllm_kvevict.integration.worker", "WorkerEviction", "begin_step", "bookkeeping"),

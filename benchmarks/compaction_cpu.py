@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from vllm_kvevict.core.compaction import compact, fill_holes, move_scores
-from vllm_kvevict.core.cpu_layout import token_slots
+from vllm_kvevict.core.eviction.compaction import compact, fill_holes, move_scores
+from vllm_kvevict.core.layouts.cpu_layout import token_slots
 from vllm_kvevict.integration.cpu_backend import layout_for_cache
 
 LAYERS, HEADS, D, BS = 30, 3, 64, 32

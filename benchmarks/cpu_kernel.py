@@ -52,9 +52,9 @@ def main(argv=None) -> int:
     from vllm import _custom_ops as ops
 
     from vllm_kvevict import cpu_kernel
-    from vllm_kvevict.core import scores
-    from vllm_kvevict.core.cpu_layout import KVLayout
-    from vllm_kvevict.core.kernel_dispatch import cpu_path
+    from vllm_kvevict.core.scoring import scores
+    from vllm_kvevict.core.layouts.cpu_layout import KVLayout
+    from vllm_kvevict.core.eviction.kernel_dispatch import cpu_path
 
     mod = cpu_kernel.module()
     if mod is None:

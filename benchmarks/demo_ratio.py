@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     p.add_argument("--md", help="also write the table here")
     args = p.parse_args(argv)
     from vllm_kvevict import cpu_kernel
-    from vllm_kvevict.core.kernel_dispatch import cpu_path
+    from vllm_kvevict.core.eviction.kernel_dispatch import cpu_path
 
     runs: dict[str, list[float]] = {k: [] for k in args.policies}
     cpu: dict[str, list[float]] = {k: [] for k in args.policies}

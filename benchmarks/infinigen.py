@@ -23,7 +23,7 @@ difference; KV traffic per generated token (offloaded to / fetched from the
 host tier, token-granular: what a real transfer moves, prefetched and on
 demand together); pool kept = offloaded entries still in the host pool at the
 end (a dropped block takes its entries and their partial keys with it, so
-selection never picks them: core/host_tier.py); spec. recall = entries the layer's own query needed that the
+selection never picks them: core/offload/host_tier.py); spec. recall = entries the layer's own query needed that the
 KV connector had already prefetched from layer i-1's input (the paper's
 speculation), spec. precision = prefetched entries that were needed (both per
 query head); attended = mean tokens each
@@ -98,7 +98,7 @@ def install_timers():
     are timed on their own only outside speculation, whose time keeps them."""
     from common import Timers
 
-    from vllm_kvevict.core import host_tier, offload
+    from vllm_kvevict.core.offload.decode_attention import host_tier, offload
     from vllm_kvevict.integration import cpu_backend, offload_connector
 
     t = Timers()

@@ -114,7 +114,7 @@ def check_decode(k, kc, vc, table, q, rows, vis, d, dtype):
 
 
 def row_window(k, cfg, kind, dtype, device, reps):
-    from vllm_kvevict.core.window_scores import raw_scores_torch
+    from vllm_kvevict.core.scoring.window_scores import raw_scores_torch
     b, n, h, g, d, w = cfg
     q = torch.randn(b, w, h * g, d, device=device, dtype=dtype)
     kk = torch.randn(b, h, n, d, device=device, dtype=dtype)
@@ -132,8 +132,8 @@ def row_window(k, cfg, kind, dtype, device, reps):
 
 
 def row_compaction(k, cfg, dtype, device, reps):
-    from vllm_kvevict.core.compaction import compact, move_scores
-    from vllm_kvevict.core.nhd_layout import NHDLayout
+    from vllm_kvevict.core.eviction.compaction import compact, move_scores
+    from vllm_kvevict.core.layouts.nhd_layout import NHDLayout
     rows, old_len, new_len, h, d, bs = cfg
     n_src, n_dst = -(-old_len // bs), -(-new_len // bs)
     kv = torch.randn(rows * n_src + 1, h, bs, 2 * d, device=device, dtype=dtype)

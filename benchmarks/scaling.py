@@ -106,7 +106,7 @@ from common import (
     plugin_fingerprint,
 )
 
-from vllm_kvevict.core.config import POLICIES
+from vllm_kvevict.core.config.settings import POLICIES
 from vllm_kvevict.probe import scheduler_of
 
 READY_MARKER = "@@KVEVICT_READY@@ "
@@ -258,7 +258,7 @@ def warm_up(llm, log: StepLog, cfg: dict) -> None:
 
 def scoring_path() -> str:
     """Where this engine scores (the compiled CPU kernel's path, or torch and why)."""
-    from vllm_kvevict.core.kernel_dispatch import cpu_path
+    from vllm_kvevict.core.eviction.kernel_dispatch import cpu_path
 
     return cpu_path()
 

@@ -61,7 +61,7 @@ from common import (
     plugin_fingerprint,
 )
 
-from vllm_kvevict.core.config import POLICIES
+from vllm_kvevict.core.config.settings import POLICIES
 from vllm_kvevict.probe import BlockProbe, attach
 
 # --------------------------------------------------------------------------- one run
@@ -611,7 +611,7 @@ def main(argv=None) -> int:
         print(table_constrained(rows))
         print("\n" + notes(rows))
     if res_c:
-        from vllm_kvevict.core.planner import max_blocks_per_request
+        from vllm_kvevict.core.eviction.planner import max_blocks_per_request
 
         bounds = sorted({(r["budget"], max_blocks_per_request(r["budget"], r["block_size"]))
                          for r in res_c if r["policy"] != "none"})

@@ -27,7 +27,7 @@ def apply() -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from vllm_kvevict.core.pml import PMLError
+    from vllm_kvevict.core.modules.pml import PMLError
     from vllm_kvevict.integration.prompt_modules import expand, off_loop
 
     async def add_request(self, request_id, prompt, params, *args, **kwargs):

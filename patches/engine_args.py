@@ -3,7 +3,7 @@
 
 WHY: `vllm serve M --kv-eviction h2o` must parse, show in --help, and reach
      every process. vLLM has no hook for plugins to add engine flags.
-HOW: add an argument group, one flag per entry of vllm_kvevict/core/flags.py's
+HOW: add an argument group, one flag per entry of vllm_kvevict/core/config/flags.py's
      table (name, help, default, choices); fold the parsed values into
      `additional_config` (hashed and pickled to every process by vLLM); validate
      the settings (and the budget against the block size) in
@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_kvevict.core.config import EvictionConfig, EvictionConfigError
-from vllm_kvevict.core.flags import FLAGS, TABLE
+from vllm_kvevict.core.config.settings import EvictionConfig, EvictionConfigError
+from vllm_kvevict.core.config.flags import FLAGS, TABLE
 from vllm_kvevict.integration.settings import canonical, eviction_config
 
 from . import mark_patched
@@ -98,7 +98,7 @@ def apply() -> None:
             "KV eviction (vllm_kvevict)",
             "Keep only the KV cache each request needs; freed blocks go back to "
             "vLLM's block pool.")
-        for flag in TABLE:  # core/flags.py: name, help, default and choices
+        for flag in TABLE:  # core/config/flags.py: name, help, default and choices
             # SUPPRESS: an unset flag leaves additional_config alone, and --help
             # shows the real default from the text instead of "(default: None)".
             group.add_argument(flag.flag, dest=flag.key, default=argparse.SUPPRESS,

@@ -31,8 +31,8 @@ def apply() -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
-    from vllm_kvevict.core.pml import OPEN_RE, PMLError
-    from vllm_kvevict.core.prompt_layout import salt_key
+    from vllm_kvevict.core.modules.pml import OPEN_RE, PMLError
+    from vllm_kvevict.core.modules.prompt_layout import salt_key
     from vllm_kvevict.integration.prompt_modules import check_request, expand
 
     salt_key()  # in the main process, before it spawns API servers

@@ -22,7 +22,7 @@ def apply() -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
-    from vllm_kvevict.core.config import EvictionConfigError
+    from vllm_kvevict.core.config.settings import EvictionConfigError
     from vllm_kvevict.integration.settings import eviction_config
 
     def _validate_params(self, params, *args, **kwargs):

@@ -25,8 +25,8 @@ from . import mark_patched
 def apply() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_kvevict.core.planner import never_compacts
-    from vllm_kvevict.core.plans import STEP_ATTR, EvictionStep
+    from vllm_kvevict.core.eviction.planner import never_compacts
+    from vllm_kvevict.core.eviction.plans import STEP_ATTR, EvictionStep
     from vllm_kvevict.integration.spec import EvictableAttentionManager
 
     def schedule(self, *args, **kwargs):

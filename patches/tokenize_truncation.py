@@ -24,7 +24,7 @@ def apply() -> None:
     from vllm.exceptions import VLLMValidationError
     from vllm.renderers.params import TokenizeParams
 
-    from vllm_kvevict.core.pml import OPEN_RE
+    from vllm_kvevict.core.modules.pml import OPEN_RE
 
     def apply_pre_tokenization(self, tokenizer, prompt):
         text = prompt.get("prompt") if isinstance(prompt, dict) else None

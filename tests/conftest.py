@@ -96,7 +96,7 @@ def needs_stock_writer(isa: str) -> None:
     fails for any other layout, or on an AMX CPU, fails the test."""
     import vllm._custom_ops as ops
 
-    from vllm_kvevict.core.cpu_layout import split_kv_cache
+    from vllm_kvevict.core.layouts.cpu_layout import split_kv_cache
 
     kv = torch.zeros(1, 1, 32, 128, dtype=torch.bfloat16)
     x = torch.zeros(1, 1, 64, dtype=torch.bfloat16)

@@ -33,7 +33,7 @@ def test_unset_flags_leave_additional_config_alone(parser):
 
 
 def test_bad_values_fail_at_parse_time_naming_the_flag(parser):
-    from vllm_kvevict.core.config import EvictionConfigError
+    from vllm_kvevict.core.config.settings import EvictionConfigError
 
     with pytest.raises(EvictionConfigError, match="--kv-budget"):
         _engine_args(parser, "--kv-eviction", "h2o", "--kv-budget", "lots")
@@ -44,7 +44,7 @@ def test_bad_values_fail_at_parse_time_naming_the_flag(parser):
 def test_swap_space_reads_like_vllms_swap_space(parser, capsys):
     """`--kv-swap-space 0.25` is 256 MiB and `4` is 4 GiB (GiB, as vLLM's
     --swap-space); `abc` is refused naming the forms; --help says so."""
-    from vllm_kvevict.core.config import EvictionConfigError
+    from vllm_kvevict.core.config.settings import EvictionConfigError
     from vllm_kvevict.integration.settings import eviction_config
 
     for value, size in (("0.25", 256 << 20), ("4", 4 << 30), ("512MiB", 512 << 20)):
@@ -78,9 +78,9 @@ def test_help_shows_each_flag_with_its_default(parser, capsys):
 
 
 def test_help_is_the_flag_table(parser, capsys):
-    """Each flag's --help entry is its help and default in core/flags.py, and
+    """Each flag's --help entry is its help and default in core/config/flags.py, and
     the flags accept the table's choices."""
-    from vllm_kvevict.core.flags import TABLE
+    from vllm_kvevict.core.config.flags import TABLE
 
     with pytest.raises(SystemExit):
         parser.parse_args(["--help=kv-"])

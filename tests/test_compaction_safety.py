@@ -18,10 +18,10 @@ import pytest
 import torch
 from vllm.v1.core.block_pool import BlockPool
 
-from vllm_kvevict.core.compaction import compact
-from vllm_kvevict.core.config import EvictionConfig
-from vllm_kvevict.core.nhd_layout import NHDLayout
-from vllm_kvevict.core.plans import STEP_ATTR, CompactionPlan, EvictionStep
+from vllm_kvevict.core.eviction.compaction import compact
+from vllm_kvevict.core.config.settings import EvictionConfig
+from vllm_kvevict.core.layouts.nhd_layout import NHDLayout
+from vllm_kvevict.core.eviction.plans import STEP_ATTR, CompactionPlan, EvictionStep
 from vllm_kvevict.integration import worker
 from vllm_kvevict.integration.spec import EvictableAttentionManager, EvictableAttentionSpec
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from vllm_kvevict.core.config import EvictionConfig, EvictionConfigError
+from vllm_kvevict.core.config.settings import EvictionConfig, EvictionConfigError
 from vllm_kvevict.core.policies import H2OPolicy, StreamingPolicy, make_policy
 
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from vllm_kvevict import cpu_kernel
-from vllm_kvevict.core import scores
-from vllm_kvevict.core.cpu_layout import KVLayout, split_kv_cache
-from vllm_kvevict.core.kernel_dispatch import cpu_kernel_isa, cpu_path
+from vllm_kvevict.core.scoring import scores
+from vllm_kvevict.core.layouts.cpu_layout import KVLayout, split_kv_cache
+from vllm_kvevict.core.eviction.kernel_dispatch import cpu_kernel_isa, cpu_path
 
 # (T0, D0, base, st1, st0, sd1, sd0) per layout, as KVLayout._fit_tiles finds them.
 TILES = {
@@ -179,8 +179,8 @@ def test_without_a_build_the_torch_path_runs_and_says_why(tmp_path):
     """A kernel cache with nothing built for this source: serving does not
     compile, it scores in torch and path() tells how to build."""
     code = ("import torch; from vllm_kvevict import cpu_kernel as c; "
-            "from vllm_kvevict.core import kernel_dispatch as kd; from vllm_kvevict.core.kernel_dispatch import cpu_kernel_isa; "
-            "from vllm_kvevict.core.cpu_layout import KVLayout; "
+            "from vllm_kvevict.core.eviction import kernel_dispatch as kd; from vllm_kvevict.core.eviction.kernel_dispatch import cpu_kernel_isa; "
+            "from vllm_kvevict.core.layouts.cpu_layout import KVLayout; "
             "l = KVLayout('vec', torch.bfloat16, 32, 64, 1, None, None, (32, 64, 0, 0, 1, 0, 32), None); "
             "print(c.module() is None, cpu_kernel_isa(torch.zeros(1), torch.zeros(1), l)); print(kd.cpu_path())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -214,7 +214,7 @@ def test_a_second_build_reuses_the_first():
 def test_snapkv_window_sums_match_float64(isa):
     """SnapKV's window through the kernel (dense keys cut into 16-token blocks,
     n not a multiple of 16) against the torch window attention in float64."""
-    from vllm_kvevict.core.window_scores import raw_scores_torch
+    from vllm_kvevict.core.scoring.window_scores import raw_scores_torch
 
     gen = torch.Generator().manual_seed(11)
     dtype = torch.float32 if isa == "avx2" else torch.bfloat16
@@ -233,7 +233,7 @@ def test_compiled_token_moves_equal_the_torch_path(kind, dtype, copy_on_write, m
     """fill_holes through the kernel's move_tokens/copy_blocks leaves the cache,
     the scores and the returned slot order bit-identical to the torch path
     (test_fill_holes holds both to the ordered reference on vLLM's layouts)."""
-    from vllm_kvevict.core.compaction import fill_holes
+    from vllm_kvevict.core.eviction.compaction import fill_holes
 
     mod = cpu_kernel.module()
     if mod is None:
@@ -288,7 +288,7 @@ def test_logged_queries_land_where_the_torch_path_puts_them(monkeypatch):
     """The decode log's store (store_queries) through the kernel's copy_rows
     equals index_copy_, for a strided query view like vLLM's (a slice of the
     fused qkv output); a cell outside the buffer is refused."""
-    from vllm_kvevict.core.decode_log import StepPlacement, store_queries
+    from vllm_kvevict.core.scoring.decode_log import StepPlacement, store_queries
 
     mod = cpu_kernel.module()
     if mod is None:

@@ -19,8 +19,8 @@ from kept_positions import KeptRecorder
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-from vllm_kvevict.core.config import EvictionConfig, EvictionConfigError
-from vllm_kvevict.core.nhd_layout import NHDLayout
+from vllm_kvevict.core.config.settings import EvictionConfig, EvictionConfigError
+from vllm_kvevict.core.layouts.nhd_layout import NHDLayout
 from vllm_kvevict.integration import worker
 from vllm_kvevict.integration.attention_common import physical_view
 from vllm_kvevict.integration.backend_select import (
@@ -281,7 +281,7 @@ def reference_scores(before, kv, query, seqs, qsl, scale):
 
 
 def kernels(monkeypatch, which):
-    """Select the torch or the Triton path (`vllm_kvevict.core.kernel_dispatch`); Triton runs
+    """Select the torch or the Triton path (`vllm_kvevict.core.eviction.kernel_dispatch`); Triton runs
     in its interpreter here (conftest), which has no bf16: the cache dtype for the path."""
     monkeypatch.setenv("VLLM_KVEVICT_KERNELS", which)
     return torch.float32 if which == "triton" else torch.bfloat16
@@ -380,7 +380,7 @@ def compact_once(path, policy, dst_blocks, monkeypatch):
     and scores oldest first (read through the worker's slot order: the torch
     path fills holes, the kernel compacts in order), the buffer's blocks that
     are not destinations, and the kept positions."""
-    from vllm_kvevict.core.plans import CompactionPlan
+    from vllm_kvevict.core.eviction.plans import CompactionPlan
 
     kernels(monkeypatch, path)
     dtype = torch.float32  # both paths on the same data (the interpreter has no bf16)

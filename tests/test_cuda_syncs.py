@@ -189,7 +189,7 @@ def where(place: str) -> str:
 # per layer 9 (accumulate_scores' 2 reads and 2 blocking uploads, score_queries' 5).
 # Now every length the Python needs comes from vLLM's host copies, host
 # tensors go up with kernels.upload (pinned, non_blocking): no syncs.
-SCORES = "vllm_kvevict/core/scores.py"
+SCORES = "vllm_kvevict/core/scoring/scores.py"
 COMMON = "vllm_kvevict/integration/attention_common.py"
 PINNED = {
     ("h2o", "decode", "triton"): (0, [f"{COMMON}:physical_view"]),  # the evicted offsets

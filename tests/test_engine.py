@@ -21,7 +21,7 @@ from conftest import (
 )
 from kept_positions import KeptRecorder
 
-from vllm_kvevict.core.planner import max_blocks_per_request
+from vllm_kvevict.core.eviction.planner import max_blocks_per_request
 
 H2O = engine_settings("h2o")
 
@@ -272,7 +272,7 @@ def test_deferred_decode_scoring_equals_scoring_every_step(h2o_engine):
 
 def test_bad_settings_stop_engine_startup(model_path):
     """Nothing half-configured: the engine refuses to start, naming the flag."""
-    from vllm_kvevict.core.config import EvictionConfigError
+    from vllm_kvevict.core.config.settings import EvictionConfigError
 
     with pytest.raises(EvictionConfigError, match="--kv-eviction"):
         make_llm(model_path, additional_config={"kv_eviction": "lru"})

@@ -1,4 +1,4 @@
-"""Compaction by filling holes (vllm_kvevict.core.compaction.fill_holes) against the
+"""Compaction by filling holes (vllm_kvevict.core.eviction.compaction.fill_holes) against the
 ordered reference (`compact`), on the CPU layout (strided and element-gather
 paths) and FlashAttention's NHD layout.
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 from conftest import needs_stock_writer
 
-from vllm_kvevict.core.compaction import compact, fill_holes, hole_moves
-from vllm_kvevict.core.cpu_layout import split_kv_cache
-from vllm_kvevict.core.nhd_layout import NHDLayout
+from vllm_kvevict.core.eviction.compaction import compact, fill_holes, hole_moves
+from vllm_kvevict.core.layouts.cpu_layout import split_kv_cache
+from vllm_kvevict.core.layouts.nhd_layout import NHDLayout
 from vllm_kvevict.integration.cpu_backend import discover_layout
 
 BS, D, H, NB = 32, 64, 2, 24
@@ -117,7 +117,7 @@ def test_private_scores_land_beside_their_kept_tokens():
     """After a compaction that copied the shared first blocks (dst != src), every
     kept token from the first n positions has its private score at the slot it
     now occupies; the others keep the scores that moved with them."""
-    from vllm_kvevict.core.private_scores import restore
+    from vllm_kvevict.core.scoring.private_scores import restore
 
     gen = torch.Generator().manual_seed(3)
     lay, split = _layout("vec-strided")

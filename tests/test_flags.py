@@ -1,8 +1,8 @@
-"""The --kv-* settings are declared once (vllm_kvevict/core/flags.py) and the
+"""The --kv-* settings are declared once (vllm_kvevict/core/config/flags.py) and the
 docs say what that declaration says:
 
 - each flag table in README.md, docs/offload.md and docs/prompt_modules.md is
-  the one `python -m vllm_kvevict.core.flags --markdown GROUP` prints, and
+  the one `python -m vllm_kvevict.core.config.flags --markdown GROUP` prints, and
   every flag is in one of them;
 - the config's defaults are the table's, and each flag fills a config field;
 - the help names every choice it offers, and fits a Markdown table cell.
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvevict.core import flags
-from vllm_kvevict.core.config import (
+from vllm_kvevict.core.config import flags
+from vllm_kvevict.core.config.settings import (
     EvictionConfig,
     EvictionConfigError,
     ModuleLimits,
@@ -28,7 +28,7 @@ from vllm_kvevict.core.config import (
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = {"README.md": [("eviction",)], "docs/offload.md": [("offload",)],
         "docs/prompt_modules.md": [("modules",)]}
-REFRESH = ("python -m vllm_kvevict.core.flags --write README.md docs/offload.md "
+REFRESH = ("python -m vllm_kvevict.core.config.flags --write README.md docs/offload.md "
            "docs/prompt_modules.md")
 
 
@@ -37,7 +37,7 @@ def test_docs_tables_are_the_declaration(doc):
     text = (ROOT / doc).read_text()
     assert flags.marked_groups(text) == DOCS[doc], f"{doc}: a flag table's markers moved"
     assert flags.refresh(text) == text, (
-        f"{doc}'s flag table disagrees with vllm_kvevict/core/flags.py; "
+        f"{doc}'s flag table disagrees with vllm_kvevict/core/config/flags.py; "
         f"run `{REFRESH}` (or change the declaration)")
 
 

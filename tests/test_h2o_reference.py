@@ -19,7 +19,7 @@ What the reference shares with the plugin is only the *schedule* (when and to
 what size to evict), which is vLLM's block bookkeeping rather than H2O itself:
 before feeding the token at logical position L with P tokens resident, evict
 down to budget if P > budget (before a prompt chunk) or P >= budget + block_size
-(before a decode step); see vllm_kvevict/core/planner.py. Scores are frozen during
+(before a decode step); see vllm_kvevict/core/eviction/planner.py. Scores are frozen during
 one eviction batch (the plugin evicts a block's worth of tokens at once). RoPE
 positions stay logical.
 
@@ -29,7 +29,7 @@ and the tests compare them, and the greedy tokens, with the reference: exact in 
 (layer, KV head) kept set of every compaction (270/270 per prompt, 180/180
 with the prefix hit; a tie in the reference's scores fails H2O's tests too).
 The last test serves a prefix-cache hit: the request's scores of the shared
-tokens live in private rows (core/private_scores.py), and its reference counts
+tokens live in private rows (core/scoring/private_scores.py), and its reference counts
 only the queries it computed.
 """
 from __future__ import annotations

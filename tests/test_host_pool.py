@@ -1,11 +1,11 @@
-"""The host KV block pool (vllm_kvevict.core.host_pool): victim policies on
+"""The host KV block pool (vllm_kvevict.core.offload.host_pool): victim policies on
 hand-made access traces, capacity, request free, data slots, byte accounting."""
 import random
 
 import pytest
 import torch
 
-from vllm_kvevict.core.host_pool import CounterPolicy, HostKVPool, replay
+from vllm_kvevict.core.offload.host_pool import CounterPolicy, HostKVPool, replay
 
 
 def k(block, layer=1, req="r"):

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from vllm_kvevict import calibrate
-from vllm_kvevict.core import skewing as sk
-from vllm_kvevict.core import skewing_store
-from vllm_kvevict.core.config import EvictionConfig, EvictionConfigError
+from vllm_kvevict.core.offload import skewing as sk
+from vllm_kvevict.core.offload import skewing_store
+from vllm_kvevict.core.config.settings import EvictionConfig, EvictionConfigError
 
 COMMAND = "python -m vllm_kvevict.calibrate"
 LAYOUT = SimpleNamespace(num_kv_heads=3, block_size=32, head_size=64)  # SmolLM2, one rank

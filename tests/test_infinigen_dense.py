@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from vllm_kvevict import calibrate
-from vllm_kvevict.core import skewing as sk
-from vllm_kvevict.core.host_pool import replay
+from vllm_kvevict.core.offload import skewing as sk
+from vllm_kvevict.core.offload.host_pool import replay
 from vllm_kvevict.eval import infinigen_dense as ev
 
 TOKENS, BUDGET, BS = 200, 32, 16

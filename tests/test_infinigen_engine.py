@@ -7,7 +7,7 @@ there. Stock is vLLM without the plugin (conftest.stock_ids, shared with test_en
 import pytest
 from conftest import PROMPTS, STOCK_TOKENS, stock_ids
 
-from vllm_kvevict.core.planner import max_blocks_per_request
+from vllm_kvevict.core.eviction.planner import max_blocks_per_request
 
 BUDGET = 64  # resident tokens; block 32
 # The skewing file the calibration command wrote this session: the engines load it.

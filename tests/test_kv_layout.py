@@ -11,7 +11,7 @@ import torch
 import vllm._custom_ops as ops  # noqa: E402  (a missing vLLM fails, never skips)
 from conftest import cpu_has_amx, needs_stock_writer
 
-from vllm_kvevict.core.cpu_layout import split_kv_cache
+from vllm_kvevict.core.layouts.cpu_layout import split_kv_cache
 from vllm_kvevict.integration.cpu_backend import discover_layout
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -221,11 +221,11 @@ def test_compacting_a_request_in_place(isa, dtype, bs, d, h, path):
 @pytest.mark.parametrize("isa,dtype,bs,d,h", CASES, ids=IDS)
 @PATHS
 def test_compaction_path_moves_tokens_and_scores(isa, dtype, bs, d, h, path):
-    """Scenario: the plugin's compaction (vllm_kvevict.core.compaction.compact) keeps a
+    """Scenario: the plugin's compaction (vllm_kvevict.core.eviction.compaction.compact) keeps a
     different subset per head, in place over the same blocks. The cache equals
     the stock writer storing the kept tokens (the rest of the last block zeroed),
     other requests' blocks are untouched, and scores move with their tokens."""
-    from vllm_kvevict.core.compaction import compact, move_scores
+    from vllm_kvevict.core.eviction.compaction import compact, move_scores
 
     gen = torch.Generator().manual_seed(13 * bs + d + h)
     L = _layout(isa, dtype, bs, d, h, path)
@@ -263,7 +263,7 @@ def test_batched_compaction_equals_one_row_at_a_time(isa, dtype, bs, d, h):
     """Scenario: the worker compacts one request in every layer at once (rows =
     layers, blocks offset per layer). Two rows in one call leave the cache exactly
     as two one-row calls do."""
-    from vllm_kvevict.core.compaction import compact
+    from vllm_kvevict.core.eviction.compaction import compact
 
     gen = torch.Generator().manual_seed(h + bs)
     L = _layout(isa, dtype, bs, d, h, "strided")

@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from vllm_kvevict.core.nhd_layout import NHDLayout
+from vllm_kvevict.core.layouts.nhd_layout import NHDLayout
 
 D, NB = 8, 10
 GRID = [(dt, h, bs, "LBNHC") for dt, h, bs in
@@ -195,10 +195,10 @@ def test_write_blocks(dtype, h, bs, layout):
 
 @pytest.mark.parametrize("dtype,h,bs,layout", GRID, ids=IDS)
 def test_compact_through_nhd_layout(dtype, h, bs, layout):
-    """The worker's one compaction path (vllm_kvevict.core.compaction) on this layout:
+    """The worker's one compaction path (vllm_kvevict.core.eviction.compaction) on this layout:
     per head, kept tokens and their scores packed in order into the first
     destination slots, the rest of the last destination block zeroed."""
-    from vllm_kvevict.core.compaction import compact, move_scores
+    from vllm_kvevict.core.eviction.compaction import compact, move_scores
 
     kv = make_cache(dtype, h, bs, layout)
     lay = NHDLayout.for_cache(kv)
@@ -270,7 +270,7 @@ def test_device_agnostic():
 def test_compact_device_agnostic():
     """As the worker calls it: block ids and keep from CPU lists, cache and
     scores on the accelerator ('meta' here)."""
-    from vllm_kvevict.core.compaction import compact, move_scores
+    from vllm_kvevict.core.eviction.compaction import compact, move_scores
 
     kv = torch.empty(NB, 2, 16, 2 * D, dtype=torch.bfloat16, device="meta")
     lay = NHDLayout.for_cache(kv)
@@ -287,8 +287,8 @@ def test_compact_device_agnostic():
 
 def test_both_layouts_implement_the_protocol():
     """The worker, the score path and compaction see one interface
-    (core/layout.py); both caches' adapters provide all of it."""
-    from vllm_kvevict.core.layout import KVCacheLayout
+    (core/layouts/layout.py); both caches' adapters provide all of it."""
+    from vllm_kvevict.core.layouts.layout import KVCacheLayout
     from vllm_kvevict.integration.cpu_backend import discover_layout
 
     assert isinstance(NHDLayout(16, 2, 8, torch.float32), KVCacheLayout)

@@ -1,12 +1,12 @@
-"""The host tier and InfiniGen's decode attention (core/host_tier.py, core/offload.py)
+"""The host tier and InfiniGen's decode attention (core/offload/host_tier.py, core/offload/decode_attention.py)
 against the one-row dense reference written from the paper."""
 import math
 
 import pytest
 import torch
 
-from vllm_kvevict.core.host_tier import HostTier
-from vllm_kvevict.core.offload import (
+from vllm_kvevict.core.offload.host_tier import HostTier
+from vllm_kvevict.core.offload.decode_attention import (
     Fetched,
     decode_attention,
     infinigen_decode_reference,
@@ -14,7 +14,7 @@ from vllm_kvevict.core.offload import (
     select_host_entries,
     speculate,
 )
-from vllm_kvevict.core.skewing import Skewing, skew_keys, skew_matrix, skew_queries
+from vllm_kvevict.core.offload.skewing import Skewing, skew_keys, skew_matrix, skew_queries
 
 H, G, D, BS, C = 3, 3, 16, 4, 5
 HQ = H * G
@@ -117,7 +117,7 @@ def test_prefetched_entries_change_traffic_not_output(quality):
     hits = tier.stats.speculation_hits - hits_before
     needed = tier.stats.prefetch_needed
     # Hits counted by hand: needed (row, query head, entry) that pre holds.
-    from vllm_kvevict.core.offload import select_entries
+    from vllm_kvevict.core.offload.decode_attention import select_entries
     sel = select_entries(tier, ids, 0, q, k_res, res_len, 4.0, cap, SCALE)
     expect = sum(int(e) in set(pre.sel[r, h][pre.mask[r, h]].tolist())
                  for r in range(2) for h in range(HQ) for e in sel[r, h] if e >= 0)
@@ -195,7 +195,7 @@ def test_the_worker_sizes_its_tier_by_the_swap_space(tmp_path):
     included, fits --kv-swap-space (16 MiB, SmolLM2's layout, one rank)."""
     from types import SimpleNamespace
 
-    from vllm_kvevict.core.config import EvictionConfig
+    from vllm_kvevict.core.config.settings import EvictionConfig
     from vllm_kvevict.integration.offload_attention import OffloadState, host_tier
 
     path = tmp_path / "skew.safetensors"

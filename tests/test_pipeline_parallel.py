@@ -32,7 +32,7 @@ from tp_runs import (
     stock_runs,
 )
 
-from vllm_kvevict.core.planner import max_blocks_per_request
+from vllm_kvevict.core.eviction.planner import max_blocks_per_request
 
 
 @pytest.fixture(scope="module")

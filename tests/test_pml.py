@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from vllm_kvevict.core.pml import (
+from vllm_kvevict.core.modules.pml import (
     Import,
     Module,
     Param,
@@ -26,7 +26,7 @@ from vllm_kvevict.core.pml import (
     parse_prompt,
     parse_schema,
 )
-from vllm_kvevict.core.prompt_layout import (
+from vllm_kvevict.core.modules.prompt_layout import (
     RequestLayout,
     SchemaLayout,
     layout_prompt,

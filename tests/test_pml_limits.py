@@ -1,6 +1,6 @@
 """PML from a hostile client (issue 38), without vLLM: parsing and layout are
 linear in the input and bounded (depth, element count, text length), DTDs are
-refused, and schemas are scoped per tenant (core/schema_registry.py).
+refused, and schemas are scoped per tenant (core/modules/schema_registry.py).
 
 The server-level probes of the same inputs (with /health polled while they
 run) are in test_prompt_modules_server.py.
@@ -16,9 +16,9 @@ import textwrap
 
 import pytest
 
-from vllm_kvevict.core.pml import MAX_DEPTH, PMLError, parse_prompt, parse_schema
-from vllm_kvevict.core.prompt_layout import layout_prompt, layout_schema, normalize, tenant
-from vllm_kvevict.core.schema_registry import SchemaRegistry
+from vllm_kvevict.core.modules.pml import MAX_DEPTH, PMLError, parse_prompt, parse_schema
+from vllm_kvevict.core.modules.prompt_layout import layout_prompt, layout_schema, normalize, tenant
+from vllm_kvevict.core.modules.schema_registry import SchemaRegistry
 
 
 def _words(text: str) -> list[int]:
@@ -44,8 +44,8 @@ def test_100k_newlines_parse_and_lay_out_in_linear_time():
     and normalized, in a child process killed after 60 s (measured: well under 1 s)."""
     code = textwrap.dedent("""
         import time
-        from vllm_kvevict.core.pml import parse_prompt, parse_schema
-        from vllm_kvevict.core.prompt_layout import layout_prompt, layout_schema, normalize
+        from vllm_kvevict.core.modules.pml import parse_prompt, parse_schema
+        from vllm_kvevict.core.modules.prompt_layout import layout_prompt, layout_schema, normalize
         body = "a" + "\\n" * 100_000 + "b"
         start = time.perf_counter()
         tok = lambda text: [len(w) for w in text.split()]

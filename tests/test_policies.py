@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from vllm_kvevict.core.config import EvictionConfig
-from vllm_kvevict.core.planner import compaction_target
+from vllm_kvevict.core.config.settings import EvictionConfig
+from vllm_kvevict.core.eviction.planner import compaction_target
 from vllm_kvevict.core.policies import H2OPolicy, StreamingPolicy
 
 
@@ -68,8 +68,8 @@ def test_planner_decode_and_chunk_boundaries():
 
 
 def test_never_compacts_only_when_the_whole_request_fits_a_token_budget():
-    from vllm_kvevict.core.config import EvictionConfig
-    from vllm_kvevict.core.planner import never_compacts
+    from vllm_kvevict.core.config.settings import EvictionConfig
+    from vllm_kvevict.core.eviction.planner import never_compacts
 
     h2o = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 256})
     assert never_compacts(h2o, 200, 56) and not never_compacts(h2o, 200, 57)
@@ -79,8 +79,8 @@ def test_never_compacts_only_when_the_whole_request_fits_a_token_budget():
 
 
 def test_each_policy_declares_what_it_needs():
-    """The plugin reads these declarations, not policy names (core/policies.py)."""
-    from vllm_kvevict.core.config import POLICIES as CHOICES
+    """The plugin reads these declarations, not policy names (core/policies/)."""
+    from vllm_kvevict.core.config.settings import POLICIES as CHOICES
     from vllm_kvevict.core.policies import POLICIES, make_policy
 
     assert CHOICES == ("none", *POLICIES)  # --kv-eviction offers every registered policy

@@ -10,8 +10,8 @@ vLLM's own BlockPool (ref_cnt, free queue), never from our counters.
 import pytest
 import torch
 
-from vllm_kvevict.core.pml import parse_prompt
-from vllm_kvevict.core.prompt_layout import layout_prompt
+from vllm_kvevict.core.modules.pml import parse_prompt
+from vllm_kvevict.core.modules.prompt_layout import layout_prompt
 from vllm_kvevict.integration import prompt_modules as pm
 from vllm_kvevict.probe import scheduler_of
 
@@ -269,7 +269,7 @@ def test_union_members_are_exclusive(llm):
 
 
 def test_registration_errors(llm, schema):
-    from vllm_kvevict.core.pml import PMLError
+    from vllm_kvevict.core.modules.pml import PMLError
 
     with pytest.raises(PMLError, match="already registered"):
         pm.register_schema(llm, SCHEMA)

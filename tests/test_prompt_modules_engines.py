@@ -18,7 +18,7 @@ def test_eviction_copies_shared_blocks_and_never_writes_them(engines, policy):
     """A 64-token budget on a request that imports ~130 shared tokens:
     compaction writes private blocks; the pinned ones keep their KV, and a
     second importer gets exactly the same result. Under h2o the importers'
-    scores of the module tokens live in private rows (core/private_scores.py):
+    scores of the module tokens live in private rows (core/scoring/private_scores.py):
     neither adds its attention at the shared slots, so the second importer,
     finding them as the first left them, computes the same kept sets."""
     from vllm import SamplingParams

@@ -3,7 +3,7 @@ the flags, their parsing, and the admission rule, without an engine."""
 
 import pytest
 
-from vllm_kvevict.core.config import EvictionConfig, EvictionConfigError, ModuleLimits
+from vllm_kvevict.core.config.settings import EvictionConfig, EvictionConfigError, ModuleLimits
 
 
 def limits_of(raw: dict) -> ModuleLimits:

@@ -99,7 +99,7 @@ def test_a_salt_computed_from_public_information_plants_nothing(llm, schema):
 def test_module_salts_are_keyed_and_keep_client_salts_apart(llm, schema, monkeypatch):
     """The salt depends on the server's key, carries the reserved prefix, and
     keeps a client's own cache_salt (tenant isolation) instead of replacing it."""
-    from vllm_kvevict.core.prompt_layout import SALT_KEY_ENV, SALT_PREFIX
+    from vllm_kvevict.core.modules.prompt_layout import SALT_KEY_ENV, SALT_PREFIX
 
     text = pml("tenants")
     plain, a, b = (expanded(llm, text, **extra)[1]
@@ -125,11 +125,11 @@ def test_processes_started_after_plugin_load_share_the_salt_key():
     loaded in the main process: they inherit its key, so one prompt gets one
     salt in every one of them."""
     import vllm_kvevict
-    from vllm_kvevict.core.prompt_layout import SALT_KEY_ENV, salt
+    from vllm_kvevict.core.modules.prompt_layout import SALT_KEY_ENV, salt
 
     vllm_kvevict.register()
     assert os.environ.get(SALT_KEY_ENV)
-    code = "from vllm_kvevict.core.prompt_layout import salt; print(salt('prompt', [0, 1], []))"
+    code = "from vllm_kvevict.core.modules.prompt_layout import salt; print(salt('prompt', [0, 1], []))"
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            timeout=120, check=True)
     assert child.stdout.strip() == salt("prompt", [0, 1], [])
@@ -193,7 +193,7 @@ def test_a_layout_on_prompt_embeds_is_refused(llm):
     against. (This engine refuses embeds anyway: check the rule directly.)"""
     import torch
 
-    from vllm_kvevict.core.pml import PMLError
+    from vllm_kvevict.core.modules.pml import PMLError
 
     req = engine_request(llm, "embeds", {**FORGED, "nonce": pm._NONCE})
     req.prompt_token_ids, req.prompt_embeds = None, torch.zeros(3, 8)

@@ -12,7 +12,7 @@ budget 256), so counters are compared before and after this file's requests.
 import pytest
 from conftest import PROMPTS, SERVER_BUDGET, engine_settings
 
-from vllm_kvevict.core.planner import max_blocks_per_request
+from vllm_kvevict.core.eviction.planner import max_blocks_per_request
 from vllm_kvevict.integration.metrics import EvictionCollector
 from vllm_kvevict.probe import attach
 

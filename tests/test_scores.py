@@ -1,4 +1,4 @@
-"""The torch scoring kernel (core/scores.py) against a dense loop written
+"""The torch scoring kernel (core/scoring/scores.py) against a dense loop written
 from H2O's definition: each query's softmax over the keys it can see, summed over
 the query heads of each KV head, added to each key's slot."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import vllm._custom_ops as ops  # noqa: E402  (a missing vLLM fails, never skips)
 
-from vllm_kvevict.core.cpu_layout import split_kv_cache
-from vllm_kvevict.core.scores import accumulate_scores, score_queries
+from vllm_kvevict.core.layouts.cpu_layout import split_kv_cache
+from vllm_kvevict.core.scoring.scores import accumulate_scores, score_queries
 from vllm_kvevict.integration.cpu_backend import discover_layout
 
 BS, D, NB = 16, 64, 24
@@ -58,7 +58,7 @@ def test_long_causal_chunks_are_scored_in_tiles_like_the_dense_loop():
     """Chunks longer than one query tile (scores._MAX_TILE_QUERIES): each tile
     reaches only the keys its queries see, the masks of consecutive tiles
     meet, and a shorter chunk's padding adds nothing. Two requests, bf16."""
-    import vllm_kvevict.core.scores as scoring
+    import vllm_kvevict.core.scoring.scores as scoring
 
     assert 150 > 2 * scoring._MAX_TILE_QUERIES  # three tiles, the last one ragged
     gen = torch.Generator().manual_seed(7)
@@ -115,7 +115,7 @@ def test_accumulate_scores_skips_unscored_rows():
 
 def test_private_rows_take_a_shared_prefix_scores_and_leave_its_slots_alone():
     """Two requests share their first 2 blocks (a prefix hit): the second one's
-    scores of those 32 tokens go to its private row (core/private_scores.py),
+    scores of those 32 tokens go to its private row (core/scoring/private_scores.py),
     exactly what its own slots would have received; the shared slots keep the
     first request's scores only, and every later slot is scored as usual.
     Both a prefill chunk and a decode step of the sharer."""
@@ -162,8 +162,8 @@ def test_chunk_log_scores_a_deferred_chunk_as_its_forward_would():
     row, and the flush at the next step's start adds exactly what scoring the
     chunk in its forward would have. A chunk over max_tokens is not taken, and
     a dropped request's chunk adds nothing."""
-    from vllm_kvevict.core.chunk_log import ChunkLog
-    from vllm_kvevict.core.layer_stack import LayerCache, LayerStack
+    from vllm_kvevict.core.scoring.chunk_log import ChunkLog
+    from vllm_kvevict.core.layouts.layer_stack import LayerCache, LayerStack
 
     gen = torch.Generator().manual_seed(8)
     h, g = 3, 3
@@ -207,8 +207,8 @@ def test_decode_log_flush_scores_every_layer_of_a_stack_in_one_call():
     decode log's flush scores each layer's logged queries against that layer's
     keys only, equal to the dense loop per layer; a request's private row (layer
     1 only) takes its first positions there instead of the shared slots."""
-    from vllm_kvevict.core.decode_log import DecodeQueryLog
-    from vllm_kvevict.core.layer_stack import LayerCache, LayerStack
+    from vllm_kvevict.core.scoring.decode_log import DecodeQueryLog
+    from vllm_kvevict.core.layouts.layer_stack import LayerCache, LayerStack
 
     gen = torch.Generator().manual_seed(11)
     h, g, n_layers = 3, 3, 3

@@ -84,7 +84,7 @@ def test_eviction_metrics_on_slash_metrics(server, reference_text):
     assert server.metric("vllm_kvevict_compaction_seconds_total") > 0
     assert server.metric("vllm_kvevict_resident_tokens") == 0  # idle: nothing held
     # where the worker scores, as its process decided (the same line it logged)
-    from vllm_kvevict.core.kernel_dispatch import cpu_path
+    from vllm_kvevict.core.eviction.kernel_dispatch import cpu_path
 
     where = [k for k in m if k.startswith("vllm_kvevict_scoring_path_info{")]
     assert len(where) == 1 and f'path="{cpu_path()}"' in where[0], where

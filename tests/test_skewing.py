@@ -1,4 +1,4 @@
-"""InfiniGen's skewing (vllm_kvevict.core.skewing): the weight fold for non-RoPE
+"""InfiniGen's skewing (vllm_kvevict.core.offload.skewing): the weight fold for non-RoPE
 models on random OPT-like weights, the post-RoPE path on the real SmolLM2, the
 partial channels, the decode-time prediction helpers, and the cache."""
 import json
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from vllm_kvevict import calibrate
-from vllm_kvevict.core import skewing as sk
-from vllm_kvevict.core import skewing_store
+from vllm_kvevict.core.offload import skewing as sk
+from vllm_kvevict.core.offload import skewing_store
 
 # ---------------------------------------------------------------------------
 # Pure tensor checks

@@ -36,7 +36,7 @@ import pytest
 from conftest import PROMPTS
 from tp_runs import BLOCK, BUDGET, one_pass, plugin_runs, stock_runs, streaming_runs
 
-from vllm_kvevict.core.planner import max_blocks_per_request
+from vllm_kvevict.core.eviction.planner import max_blocks_per_request
 
 # (policy, tp) -> (run in tp_runs.PLUGIN_RUNS, its pass): budget 32 per request
 # for H2O, the server's 32 for StreamingLLM; "h2o full": budget >= length.

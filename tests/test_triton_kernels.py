@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_kvevict.core.compaction import compact, move_scores
-from vllm_kvevict.core.nhd_layout import NHDLayout
-from vllm_kvevict.core.window_scores import raw_scores_torch
+from vllm_kvevict.core.eviction.compaction import compact, move_scores
+from vllm_kvevict.core.layouts.nhd_layout import NHDLayout
+from vllm_kvevict.core.scoring.window_scores import raw_scores_torch
 
 D = 32
 
@@ -220,8 +220,8 @@ def test_speculated_tokens_take_the_mean_count_per_head_capped(tk):
 # ----------------------------------------------------------------- where they run
 
 def test_dispatch_is_one_switch(monkeypatch):
-    from vllm_kvevict.core import kernel_dispatch as kernels
-    from vllm_kvevict.core.cpu_layout import KVLayout
+    from vllm_kvevict.core.eviction import kernel_dispatch as kernels
+    from vllm_kvevict.core.layouts.cpu_layout import KVLayout
 
     nhd = NHDLayout(16, 2, 64, torch.float16)
     x = torch.zeros(1)
@@ -240,7 +240,7 @@ def test_dispatch_is_one_switch(monkeypatch):
 
 
 def test_window_policy_scores_through_the_kernel_when_chosen(tk, monkeypatch):
-    from vllm_kvevict.core.window_scores import window_scores
+    from vllm_kvevict.core.scoring.window_scores import window_scores
 
     g = torch.Generator().manual_seed(7)
     q, k, v = torch.randn(1, 8, 6, D, generator=g), *torch.randn(2, 1, 2, 40, D, generator=g)

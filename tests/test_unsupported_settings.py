@@ -89,7 +89,7 @@ def test_pipeline_parallel_with_eviction_starts(model_path, eviction, ours):
 def test_prompt_modules_at_pipeline_parallel_are_refused_saying_why(model_path):
     """Schema registration and PML prompts check the engine first
     (prompt_modules._check_engine): at PP 2 they are refused alone, naming the flag."""
-    from vllm_kvevict.core.pml import PMLError
+    from vllm_kvevict.core.modules.pml import PMLError
     from vllm_kvevict.integration.prompt_modules import _check_engine
 
     _check_engine(serve_config(model_path, "--kv-eviction", "h2o"))  # PP 1: fine
@@ -145,7 +145,7 @@ def test_offline_llm_is_refused_too(model_path, monkeypatch, kwargs, theirs):
     from vllm import LLM
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from vllm_kvevict.core.config import EvictionConfigError
+    from vllm_kvevict.core.config.settings import EvictionConfigError
 
     class Started(Exception):
         pass

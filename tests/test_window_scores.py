@@ -6,8 +6,8 @@ import torch
 from window_reference import keep, selection_scores, token_scores
 
 from vllm_kvevict.core.policies import make_policy
-from vllm_kvevict.core.query_window import QueryWindow
-from vllm_kvevict.core.window_scores import raw_scores, window_scores
+from vllm_kvevict.core.scoring.query_window import QueryWindow
+from vllm_kvevict.core.scoring.window_scores import raw_scores, window_scores
 
 
 @pytest.mark.parametrize("kind", ["snapkv", "andpro"])

@@ -13,7 +13,7 @@ chunks of 4 tokens (AnDPro's chunking, Algorithm 1 lines 2-6: a chunk's score
 <y, sum_j a_j v_j> is the sum of its tokens' scores), the window and the first
 token always kept, and the rest by the largest scores.
 
-The plugin's batched path (vllm_kvevict/core/window_scores.py) is tested against it.
+The plugin's batched path (vllm_kvevict/core/scoring/window_scores.py) is tested against it.
 """
 
 from __future__ import annotations

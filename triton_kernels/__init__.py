@@ -4,17 +4,17 @@ command run from the repository root would find this folder under that name,
 so `register()` keeps the name for the real package (`free_top_level_name`).
 
   module             kernel                                     the CPU path it mirrors
-  paged_attention    decode attention over the NHD paged cache  core/scores.py (H2O)
+  paged_attention    decode attention over the NHD paged cache  core/scoring/scores.py (H2O)
                      that also adds H2O scores per slot
-  window             SnapKV / AnDPro window scores              core/window_scores.py
-  compaction         in-place move of kept K, V and scores to   core/compaction.py
+  window             SnapKV / AnDPro window scores              core/scoring/window_scores.py
+  compaction         in-place move of kept K, V and scores to   core/eviction/compaction.py
                      a row's first slots (the ordered compact;
                      the CPU path fills holes instead)
-  partial_attention  InfiniGen's partial q~ K~^T and max-alpha  core/offload.py
+  partial_attention  InfiniGen's partial q~ K~^T and max-alpha  core/offload/decode_attention.py
 
 Kernels (`jit/`) are apart from their launchers (this folder: shape, dtype and
 stride checks); `reference.py` holds the plain-torch references. Importing this
-package imports no Triton; `vllm_kvevict.core.kernel_dispatch` decides when to use them.
+package imports no Triton; `vllm_kvevict.core.eviction.kernel_dispatch` decides when to use them.
 """
 
 

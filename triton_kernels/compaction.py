@@ -1,6 +1,6 @@
 """Launcher: in-place compaction of the NHD paged cache (`jit/compaction.py`).
 
-Does what `vllm_kvevict.core.compaction.compact` + `move_scores` do, in one kernel
+Does what `vllm_kvevict.core.eviction.compaction.compact` + `move_scores` do, in one kernel
 and without the intermediate gathered copy. Reference:
 `reference.compact_ref`.
 """

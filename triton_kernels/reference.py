@@ -1,6 +1,6 @@
 """Plain-torch references for the kernels, written from the definitions, one
 token or row at a time (slow and obvious on purpose). The window-score
-kernel's reference is the torch path itself, `vllm_kvevict.core.window_scores.raw_scores`,
+kernel's reference is the torch path itself, `vllm_kvevict.core.scoring.window_scores.raw_scores`,
 which tests/window_reference.py checks against the papers' loops."""
 from __future__ import annotations
 

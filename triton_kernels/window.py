@@ -1,6 +1,6 @@
 """Launcher: SnapKV / AnDPro window scores (`jit/window.py`).
 
-Same contract as the torch path `vllm_kvevict.core.window_scores.raw_scores`, which
+Same contract as the torch path `vllm_kvevict.core.scoring.window_scores.raw_scores`, which
 is this kernel's reference.
 """
 from __future__ import annotations

@@ -21,7 +21,7 @@ _registered = False
 def __getattr__(name: str):
     # Lazily: `import vllm_kvevict.eval.tasks` (the kvpress venv) must not import torch.
     if name in ("EvictionConfig", "EvictionConfigError"):
-        from vllm_kvevict.core import config
+        from vllm_kvevict.core.config.settings import settings as config
 
         return getattr(config, name)
     raise AttributeError(f"module 'vllm_kvevict' has no attribute {name!r}")

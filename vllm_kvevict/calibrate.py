@@ -5,9 +5,9 @@
 
 MODEL is a model directory or a Hugging Face repo id. One forward pass over
 ``--tokens`` tokens of calibration text, then an SVD per layer and KV head
-(:mod:`vllm_kvevict.core.skewing`). The file goes where a serving engine with
+(:mod:`vllm_kvevict.core.offload.skewing`). The file goes where a serving engine with
 ``--kv-eviction infinigen`` (or ``--kv-swap-space``) looks for it
-(:func:`vllm_kvevict.core.skewing_store.default_path`: ``$VLLM_KVEVICT_SKEWING`` or
+(:func:`vllm_kvevict.core.offload.skewing_store.default_path`: ``$VLLM_KVEVICT_SKEWING`` or
 ``~/.cache/vllm_kvevict/skewing``, keyed by the model's config and the
 calibration), or to ``--output`` (serve with ``--kv-skewing PATH``). The last
 line printed is the file's path.
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_kvevict.core import skewing as sk
-from vllm_kvevict.core import skewing_store
+from vllm_kvevict.core.offload import skewing as sk
+from vllm_kvevict.core.offload import skewing_store
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,7 +80,7 @@ def collect_qk(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch
 
 def compute_skewing(model, input_ids: torch.Tensor, fraction: float = sk.DEFAULT_FRACTION,
                     skew: bool = True, meta: dict | None = None) -> sk.Skewing:
-    """One forward pass over ``input_ids`` (1, T) -> :class:`~vllm_kvevict.core.skewing.Skewing`."""
+    """One forward pass over ``input_ids`` (1, T) -> :class:`~vllm_kvevict.core.offload.skewing.Skewing`."""
     return sk.skewing_from_qk(collect_qk(model, input_ids), fraction, skew, meta)
 
 

@@ -14,7 +14,7 @@ import torch
 from flush_timing import BS, D, GROUP, KV_HEADS, LAYERS, filled_cache
 from median_timing import median_ms
 
-from vllm_kvevict.core import scores as scoring
+from vllm_kvevict.core.scoring import scores as scoring
 
 
 def chunk_case(n: int):

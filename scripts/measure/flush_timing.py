@@ -20,8 +20,8 @@ import torch
 import vllm._custom_ops as ops
 from median_timing import median_ms
 
-from vllm_kvevict.core import scores as scoring
-from vllm_kvevict.core.cpu_layout import split_kv_cache
+from vllm_kvevict.core.scoring import scores as scoring
+from vllm_kvevict.core.layouts.cpu_layout import split_kv_cache
 from vllm_kvevict.integration.cpu_backend import discover_layout
 
 LAYERS, REQS, QUERIES, KV_HEADS, GROUP, D, BS = 30, 16, 32, 3, 3, 64, 32

@@ -1,26 +1,24 @@
 """The vLLM-free core: what to keep, how to move it, what to prefetch.
 
 Nothing here imports vLLM or the tooling (`eval`, `calibrate`, `demo`,
-`models`); tests/test_import_graph.py enforces it. Tensors in, tensors out:
+`models`); tests/test_import_graph.py enforces it. Tensors in, tensors out.
+One folder per subsystem:
 
-  flags          every --kv-* setting declared once: key, flag, default, parser, help
-  config         EvictionConfig: those settings, parsed and validated once
-  policies       H2O, StreamingLLM, SnapKV, AnDPro: scores -> kept slots
-  scores         H2O's accumulated attention, read from the paged cache
-  window_scores  SnapKV / AnDPro scores of the last `window` queries
-  decode_log     decode queries logged per step, scored in one batch
-  query_window   the newest queries each request keeps for window scoring
-  planner        when a request compacts and to what length (scheduler side)
-  plans          the plan values the scheduler sends the workers
-  compaction     moving kept tokens: fill_holes (O(evicted)); compact (reference)
-  layout         the KVCacheLayout protocol; cpu_layout (ISA-packed CPU cache)
-                 and nhd_layout (FlashAttention's [NB, BS, H, D]) implement it
-  layer_stack    a worker's layer caches, stacked into one where vLLM allows
-  kernel_dispatch  Triton kernel or plain-torch reference, per call
-  pml, prompt_layout  prompt modules: the schema language and position ids
-  host_tier      InfiniGen offload's state: a worker's host entries (the
-                 subsystem's map is in its docstring); host_pool its blocks;
-                 offload the decode math; skewing the SVD math and file
-                 format; skewing_store where a server finds the file
-  metrics        eviction counters shared with the API server's /metrics
+  config/    flags: every --kv-* setting declared once (key, flag, default,
+             parser, help); settings: EvictionConfig, parsed and validated once
+  policies/  H2O, StreamingLLM, SnapKV, AnDPro: what each scores, and what stays
+  scoring/   the scores policies read: H2O's accumulated attention (scores,
+             decode_log, chunk_log, private_scores), SnapKV/AnDPro's window
+             (query_window, window_scores)
+  eviction/  when a request compacts and what happens to its blocks (planner,
+             plans), moving kept tokens (compaction), and where the hot paths
+             run (kernel_dispatch: Triton, the C++ CPU kernel or torch)
+  layouts/   the paged cache's shapes: the KVCacheLayout protocol, the CPU
+             backend's ISA-packed cache, FlashAttention's [NB, BS, H, D], and a
+             worker's layers stacked into one tensor
+  offload/   InfiniGen: host_tier (a worker's host entries), host_pool (their
+             blocks), decode_attention (the paper's decode math), skewing (the
+             SVD and its file), skewing_store (where a server finds the file)
+  modules/   prompt modules: the PML schema language (pml), position ids and
+             tenant scopes (prompt_layout), registered schemas (schema_registry)
 """

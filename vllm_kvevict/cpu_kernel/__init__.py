@@ -16,7 +16,7 @@ where it has AVX-512 BF16 (vdpbf16ps), both bf16 x bf16 products accumulated in
 float32; else ``avx2`` (float32 FMA). ``VLLM_KVEVICT_CPU_ISA=avx512bf16`` or
 ``=avx2`` forces a path (tests run every path the CPU has).
 ``VLLM_KVEVICT_KERNELS=torch`` turns the kernel off; `kernel_dispatch.cpu_path()`
-says which path runs (core/kernel_dispatch.py).
+says which path runs (core/eviction/kernel_dispatch.py).
 """
 from __future__ import annotations
 

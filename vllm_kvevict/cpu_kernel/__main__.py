@@ -3,7 +3,7 @@ import sys
 import time
 
 from vllm_kvevict import cpu_kernel
-from vllm_kvevict.core.kernel_dispatch import cpu_path
+from vllm_kvevict.core.eviction.kernel_dispatch import cpu_path
 
 
 def main(argv: list[str]) -> int:

@@ -69,7 +69,7 @@ def run(args, save=None, meta=None) -> list[dict]:
     """
     from tqdm import tqdm
 
-    from vllm_kvevict.core.config import POLICIES
+    from vllm_kvevict.core.config.settings import POLICIES
     from vllm_kvevict.eval import run_vllm
 
     policies = _list(args.policies) or list(POLICIES)  # read now: new policies join in
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="+", help=f"{','.join(MODEL_NAMES)} "
                    "(default: smollm2; the full config runs both)")
     p.add_argument("--policies", nargs="+",
-                   help="default: every policy in vllm_kvevict.core.config.POLICIES")
+                   help="default: every policy in vllm_kvevict.core.config.settings.POLICIES")
     p.add_argument("--budgets", nargs="+", help="fractions of the request's length "
                    f"(default smoke {T.BUDGETS['smoke']}, full {T.BUDGETS['full']})")
     p.add_argument("--tasks", nargs="+", help=f"subset of {', '.join(T.TASKS)}")

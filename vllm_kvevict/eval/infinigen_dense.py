@@ -29,10 +29,10 @@ Methods (budget B = resident past tokens besides the current one):
              tokens are gone for good. Every layer, layer 0 included.
   infinigen  layer 0 attends its full cache. Layer i >= 1: the speculated query
              is layer i-1's attention input times layer i's W_Q, RoPE'd, skewed
-             (:mod:`vllm_kvevict.core.skewing`, post-RoPE, packed) and cut to the
+             (:mod:`vllm_kvevict.core.offload.skewing`, post-RoPE, packed) and cut to the
              partial channels; against layer i's partial skewed key cache it
              keeps the tokens above max - alpha, the mean count over heads for
-             every head, at most B (:func:`vllm_kvevict.core.skewing.speculate`).
+             every head, at most B (:func:`vllm_kvevict.core.offload.skewing.speculate`).
              Layer i then attends those tokens + the current one only.
   infinigen-noskew  the same with A = I (channels still chosen by |Q| + |K|),
              the paper's "w/o skewing" ablation.
@@ -48,7 +48,7 @@ Methods (budget B = resident past tokens besides the current one):
              head's top k (``offload.infinigen_decode_reference``).
              ``offload@alpha=A@cap=F@sink=S@block=N`` variants.
   infinigen+<policy>  InfiniGen with a host pool in the loop
-             (:class:`vllm_kvevict.core.host_pool.HostKVPool`, ``--pool-fraction`` of
+             (:class:`vllm_kvevict.core.offload.host_pool.HostKVPool`, ``--pool-fraction`` of
              the run's offloaded blocks): a full block of a speculated layer is
              offloaded when it completes, the newest partial block stays on the
              device, an evicted block's tokens can no longer be selected, and
@@ -76,8 +76,8 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_kvevict import calibrate
-from vllm_kvevict.core import skewing as sk
-from vllm_kvevict.core.host_pool import HostKVPool, replay
+from vllm_kvevict.core.offload import skewing as sk
+from vllm_kvevict.core.offload.host_pool import HostKVPool, replay
 from vllm_kvevict.core.policies import H2OPolicy
 from vllm_kvevict.eval.tasks import window_perplexity
 
@@ -178,7 +178,7 @@ class H2O(Method):
 class InfiniGen(Method):
     """InfiniGen's speculation at layers >= ``first_layer`` (see the module docstring).
 
-    skewing:     a :class:`~vllm_kvevict.core.skewing.Skewing` (packed here)
+    skewing:     a :class:`~vllm_kvevict.core.offload.skewing.Skewing` (packed here)
     pool:        optional host pool in the loop; trace: record offload/prefetch events
     first_layer: the first speculated layer (the paper: 1); the layers before
                  it attend their full cache and are not offloaded
@@ -315,7 +315,7 @@ class Offload(Method):
     layer and KV head the resident set is the ``sink`` first + the newest
     tokens, compacted back to B when it reaches B + ``block`` (vLLM's
     amortised rule); the evicted tokens are on the host, all of them present.
-    Layers 1.. attend by :func:`vllm_kvevict.core.offload.infinigen_decode_reference`
+    Layers 1.. attend by :func:`vllm_kvevict.core.offload.decode_attention.infinigen_decode_reference`
     with their own query: resident + the host tokens among each head's
     speculated top k (cap: ``cap`` x the tokens so far). Layer 0 attends its
     full cache, as in the paper (resident + every host token)."""
@@ -333,7 +333,7 @@ class Offload(Method):
         self.steps = torch.zeros(model.config.num_hidden_layers)
 
     def attend(self, layer, module, q, k, v, step, row):
-        from vllm_kvevict.core.offload import infinigen_decode_reference
+        from vllm_kvevict.core.offload.decode_attention import infinigen_decode_reference
 
         h, n, _ = k.shape
         res = torch.cat([self.resident.get(layer, torch.zeros(0, dtype=torch.bool)),

@@ -124,7 +124,7 @@ PRESS_NAMES = {
 ANDPRO_NEAREST = """\
 AnDPro's nearest kvpress equivalent: CriticalKVPress wrapping SnapKVPress.
 
-AnDPro (vllm_kvevict.core.window_scores) scores token i by the window attention
+AnDPro (vllm_kvevict.core.scoring.window_scores) scores token i by the window attention
 weighted by the projection of its value on the pre-eviction output,
 sum_t a[t, i] * <y_t, v_i> with y_t = sum_j a[t, j] v_j: attention alone is
 not enough, the value's contribution to the output counts too. Of kvpress's

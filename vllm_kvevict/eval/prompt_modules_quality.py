@@ -23,7 +23,7 @@ Method
   anonymous text), the records are cut into groups at line ends. Cuts sit
   where tokenization does not change, so the modules' tokens, read in position
   order, are EXACTLY the plain prompt's tokens at its positions (checked per
-  split with the plugin's own vllm_kvevict.core.prompt_layout; the header line of
+  split with the plugin's own vllm_kvevict.core.modules.prompt_layout; the header line of
   each table says how many pass). The only difference between (a) and (b) is
   then how the KV is computed.
 * (a) plain: the harness prompt as token ids, ordinary causal attention.
@@ -37,7 +37,7 @@ Method
   i.e. that really were computed module-masked. The rest (chat prefix, each
   module's last partial block, the question) is computed by the request and
   attends to everything before it in the request's physical order (see
-  vllm_kvevict/core/prompt_layout.py).
+  vllm_kvevict/core/modules/prompt_layout.py).
   (r) noise reference: the plain prompt with the same n documents in another
   order (a random derangement seeded by instance and n: every document
   moves), joined by a blank line (niah) or a newline (kv_retrieval). The
@@ -187,8 +187,8 @@ def pml_pair(name: str, prefix: str, suffix: str, lead: str, docs: list[str],
 
 def request_layout(schema: str, prompt: str, enc):
     """(schema layout, request layout) exactly as the plugin computes them."""
-    from vllm_kvevict.core.pml import parse_prompt, parse_schema
-    from vllm_kvevict.core.prompt_layout import layout_prompt, layout_schema
+    from vllm_kvevict.core.modules.pml import parse_prompt, parse_schema
+    from vllm_kvevict.core.modules.prompt_layout import layout_prompt, layout_schema
 
     s = layout_schema(parse_schema(schema), enc)
     return s, layout_prompt(s, parse_prompt(prompt), enc, BLOCK)

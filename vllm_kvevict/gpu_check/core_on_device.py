@@ -48,7 +48,7 @@ class Side:
     """One copy of the batch's state (cache, scores, lengths) on one device."""
 
     def __init__(self, device, dtype, num_req, max_blocks, h, d, bs):
-        from vllm_kvevict.core.nhd_layout import NHDLayout
+        from vllm_kvevict.core.layouts.nhd_layout import NHDLayout
 
         kv = torch.zeros(num_req * max_blocks, h, bs, 2 * d, dtype=dtype, device=device)
         self.layout = NHDLayout.for_cache(kv)
@@ -88,7 +88,7 @@ class Batch:
     def score(self, q, lens, starts):
         """Score one step's queries (sum(lens), H_q, D); request r's lens[r] new
         tokens are already written at physical positions starts[r]..."""
-        from vllm_kvevict.core.scores import accumulate_scores
+        from vllm_kvevict.core.scoring.scores import accumulate_scores
 
         if not self.policy.needs_scores:
             return
@@ -119,8 +119,8 @@ class Batch:
         """Request r keeps tokens keep (H, new) (ascending), moved as the worker
         moves them: the Triton kernel where kernel_dispatch picks it, else the
         torch path."""
-        from vllm_kvevict.core.compaction import compact, move_scores
-        from vllm_kvevict.core.kernel_dispatch import triton_module, use_triton
+        from vllm_kvevict.core.eviction.compaction import compact, move_scores
+        from vllm_kvevict.core.eviction.kernel_dispatch import triton_module, use_triton
 
         side, old, new = self.side, self.phys[r], keep.shape[1]
         keep = keep[None].to(self.device)
@@ -151,8 +151,8 @@ def lockstep(t: Target, policy_name: str, inputs, steps: int) -> dict:
     the interpreter under the dry run) and on the CPU (torch paths), step by
     step. At each compaction both sides apply the device's kept set, so the
     caches stay comparable; the CPU's own choice is compared with it."""
-    from vllm_kvevict.core.config import EvictionConfig
-    from vllm_kvevict.core.planner import compaction_target
+    from vllm_kvevict.core.config.settings import EvictionConfig
+    from vllm_kvevict.core.eviction.planner import compaction_target
     from vllm_kvevict.core.policies import make_policy
 
     q_all, k_all, v_all, prompts = inputs
@@ -239,7 +239,7 @@ def policy_check(t: Target, policy: str) -> dict:
 
 def offload_check(t: Target) -> dict:
     """InfiniGen's decode math (`core.offload`) on device tensors vs the CPU."""
-    from vllm_kvevict.core import offload
+    from vllm_kvevict.core.offload.decode_attention import decode_attention as offload
 
     rec = {"check": "offload: partial logits, host-entry selection, attention over "
                     "resident + fetched entries", "dtype": "float32"}

@@ -182,7 +182,7 @@ def shape_name(t: Target, what: str) -> str:
 # ---------------------------------------------------------------- window scores
 
 def window_case(t: Target, kind, dtype, gqa, w, n, d, b=2, h=2):
-    from vllm_kvevict.core.window_scores import raw_scores_torch
+    from vllm_kvevict.core.scoring.window_scores import raw_scores_torch
     gen = torch.Generator(device=t.device).manual_seed(2)
     q = rand((b, w, h * gqa, d), dtype, t.device, gen)
     # Strided k/v: the first n tokens of a longer buffer, as the worker passes them.

@@ -25,8 +25,8 @@ from typing import NamedTuple
 import torch
 from vllm.v1.attention.backend import AttentionType
 
-from vllm_kvevict.core.kernel_dispatch import triton_module, upload, use_triton
-from vllm_kvevict.core.scores import accumulate_scores, zero_new_slots
+from vllm_kvevict.core.eviction.kernel_dispatch import triton_module, upload, use_triton
+from vllm_kvevict.core.scoring.scores import accumulate_scores, zero_new_slots
 from vllm_kvevict.integration.worker import worker_state
 
 PLACEMENT_ATTR = "kvevict_decode_placement"  # set on a step's attention metadata

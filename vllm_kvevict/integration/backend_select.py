@@ -19,7 +19,7 @@ So two steps, both cheap and GPU-free:
 
 from __future__ import annotations
 
-from vllm_kvevict.core.config import EvictionConfig, EvictionConfigError
+from vllm_kvevict.core.config.settings import EvictionConfig, EvictionConfigError
 
 CUDA_BACKEND = "vllm_kvevict.integration.cuda_backend.EvictingFlashAttentionBackend"
 

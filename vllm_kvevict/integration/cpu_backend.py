@@ -27,7 +27,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from vllm_kvevict.core.cpu_layout import KVLayout
+from vllm_kvevict.core.layouts.cpu_layout import KVLayout
 from vllm_kvevict.integration.attention_common import (
     PLACEMENT_ATTR,
     SCORED_ATTR,

@@ -12,7 +12,7 @@ as the CPU wrapper in ``cpu_backend.py``, and keeps the stock FlashAttention ker
      metadata's (physical) slot mapping;
   3. scores: after attention, H2O scores are accumulated beside the cache,
      read through ``NHDLayout`` (the cache is ``[NB, H, BS, 2D]``, any stride order).
-     On the Triton path (`vllm_kvevict.core.kernel_dispatch`) an all-decode H2O step skips
+     On the Triton path (`vllm_kvevict.core.eviction.kernel_dispatch`) an all-decode H2O step skips
      the stock kernel: `fused_decode` computes the output and the scores in one
      pass over K and V; other steps use the stock kernel, then the Triton score
      kernel for their decode rows.
@@ -49,9 +49,9 @@ except ImportError as e:  # keep the reason: the caller decides whether it matte
     raise ImportError(f"vllm_kvevict's CUDA backend needs vLLM's FlashAttention "
                       f"backend module, which does not import here: {e}") from e
 
-from vllm_kvevict.core.decode_log import StepPlacement
-from vllm_kvevict.core.kernel_dispatch import upload
-from vllm_kvevict.core.nhd_layout import NHDLayout
+from vllm_kvevict.core.scoring.decode_log import StepPlacement
+from vllm_kvevict.core.eviction.kernel_dispatch import upload
+from vllm_kvevict.core.layouts.nhd_layout import NHDLayout
 from vllm_kvevict.integration.attention_common import (
     HOST_ATTR,
     PLACEMENT_ATTR,

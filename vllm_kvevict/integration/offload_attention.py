@@ -1,5 +1,5 @@
 """Worker side of InfiniGen offload: the host tier wired into compaction and
-decode attention (the vLLM-free parts are in vllm_kvevict/core/offload.py).
+decode attention (the vLLM-free parts are in vllm_kvevict/core/offload/decode_attention.py).
 
   evicted_entries  at compaction, the K/V of the tokens the resident policy
                    drops, gathered before the kept ones overwrite them
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.core.host_tier import HostTier
-from vllm_kvevict.core.offload import Fetched, decode_attention, speculate
+from vllm_kvevict.core.offload.host_tier import HostTier
+from vllm_kvevict.core.offload.decode_attention import Fetched, decode_attention, speculate
 from vllm_kvevict.integration.settings import parallel_ranks
 
 logger = logging.getLogger("vllm_kvevict")
@@ -51,7 +51,7 @@ def check_skewing(vllm_config, cfg):
     """The skewing file the workers will load (skewing_store.locate), checked against
     the model. Runs in the engine's create_engine_config, before any worker
     starts, so a missing or wrong file stops startup with the command to run."""
-    from vllm_kvevict.core import skewing_store
+    from vllm_kvevict.core.offload import skewing_store
 
     mc = vllm_config.model_config
     path = skewing_store.locate(mc.model, cfg.partial, cfg.skewing)
@@ -77,7 +77,7 @@ def host_tier(state, layout, dtype: torch.dtype) -> HostTier:
     never computes it: that loads the whole model (calibrate.py does it offline)."""
     off = state.offload
     if off.tier is None:
-        from vllm_kvevict.core import skewing, skewing_store
+        from vllm_kvevict.core.offload import skewing, skewing_store
 
         cfg = state.cfg
         path = skewing_store.locate(off.model_dir, cfg.partial, cfg.skewing)

@@ -8,7 +8,7 @@ Offline:
 
 Server: the routes in `integration/server_routes.py` call the async versions.
 
-Registering a schema tokenizes it, lays out positions (vllm_kvevict.core.prompt_layout)
+Registering a schema tokenizes it, lays out positions (vllm_kvevict.core.modules.prompt_layout)
 and runs one encode request per module (its tokens at its schema positions,
 max_tokens=1); the engine core pins the full blocks as the request ends
 (module_store.py). A PML prompt, anywhere in a completion prompt or chat
@@ -28,7 +28,7 @@ elements (--kv-max-modules) while parsing, its text against max_model_len
 before tokenizing; and the server runs registration and expansion on the
 renderer's tokenizer thread (`off_loop`), never on the event loop. A schema
 registered with a client's cache_salt is that tenant's alone
-(core/schema_registry.py).
+(core/modules/schema_registry.py).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ import functools
 import secrets
 import uuid
 
-from vllm_kvevict.core.config import ModuleLimits
-from vllm_kvevict.core.pml import PMLError, find_prompt, parse_prompt, parse_schema
-from vllm_kvevict.core.prompt_layout import (
+from vllm_kvevict.core.config.settings import ModuleLimits
+from vllm_kvevict.core.modules.pml import PMLError, find_prompt, parse_prompt, parse_schema
+from vllm_kvevict.core.modules.prompt_layout import (
     SALT_PREFIX,
     SchemaLayout,
     layout_prompt,
@@ -48,7 +48,7 @@ from vllm_kvevict.core.prompt_layout import (
     salt,
     tenant,
 )
-from vllm_kvevict.core.schema_registry import SchemaRegistry
+from vllm_kvevict.core.modules.schema_registry import SchemaRegistry
 from vllm_kvevict.integration.module_store import LAYOUT_KEY, layout_problem
 from vllm_kvevict.integration.settings import eviction_config
 
@@ -111,7 +111,7 @@ def _max_chars(input_processor, max_model_len: int) -> int | None:
 
 
 def scope_of(cache_salt) -> str:
-    """The schema scope of a client's cache_salt (core/schema_registry.py)."""
+    """The schema scope of a client's cache_salt (core/modules/schema_registry.py)."""
     if cache_salt is None:
         return ""
     if not isinstance(cache_salt, str) or not cache_salt or cache_salt.startswith(SALT_PREFIX):

@@ -19,7 +19,7 @@ What clients may pin is bounded by --kv-max-schemas (403 past it) and
 --kv-max-pinned (413), read from the server's additional_config; a body past
 --kv-max-pml-bytes is 413 before it is read whole. Tenants: a schema posted with
 a `cache_salt` is seen only by requests with that salt (list, get, import,
-delete); one posted without is shared (core/schema_registry.py).
+delete); one posted without is shared (core/modules/schema_registry.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import json
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from vllm_kvevict.core.pml import PMLError
+from vllm_kvevict.core.modules.pml import PMLError
 from vllm_kvevict.integration import prompt_modules as pm
 from vllm_kvevict.integration.settings import eviction_config
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from vllm_kvevict.core.config import EvictionConfig
+from vllm_kvevict.core.config.settings import EvictionConfig
 
 
 def _parse(raw: Any) -> EvictionConfig:

@@ -24,9 +24,9 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from vllm_kvevict.core.config import EvictionConfig
-from vllm_kvevict.core.planner import compaction_target
-from vllm_kvevict.core.plans import CompactionPlan, EvictionStep
+from vllm_kvevict.core.config.settings import EvictionConfig
+from vllm_kvevict.core.eviction.planner import compaction_target
+from vllm_kvevict.core.eviction.plans import CompactionPlan, EvictionStep
 from vllm_kvevict.core.policies import make_policy
 from vllm_kvevict.integration.metrics import BUSY_INTERVAL, Snapshot
 from vllm_kvevict.integration.module_store import layout_of
@@ -83,7 +83,7 @@ class EvictableAttentionManager(FullAttentionManager):
         self.released: list[str] = []  # freed since the last drain()
         # H2O's scores live per physical slot: a request that starts with shared
         # blocks scores their tokens in private rows, which workers open when
-        # told (EvictionStep.shared_prefix; core/private_scores.py).
+        # told (EvictionStep.shared_prefix; core/scoring/private_scores.py).
         self.scores_per_slot = make_policy(self.cfg.policy, self.cfg.sink,
                                            self.cfg.window).needs_scores
         self.shared_prefix: dict[str, int] = {}  # since the last drain()

@@ -17,7 +17,7 @@ compaction moves them with the KV, and a slot's score is zeroed whenever a new
 token is written there (a reused block never inherits stale importance). A
 request whose first blocks may be shared (prefix hit, prompt modules) keeps
 the scores of those tokens in private rows until its first compaction
-(core/private_scores.py), so no two requests ever add into one slot.
+(core/scoring/private_scores.py), so no two requests ever add into one slot.
 
 One file because `WorkerEviction` is one process's state, read and changed by
 every step hook (begin_step, placement, compaction, metrics); it splits by
@@ -32,23 +32,23 @@ from typing import Any
 
 import torch
 
-from vllm_kvevict.core.chunk_log import ChunkLog
-from vllm_kvevict.core.compaction import by_age, fill_holes, slot_order
-from vllm_kvevict.core.config import EvictionConfig
-from vllm_kvevict.core.cpu_layout import token_slots
-from vllm_kvevict.core.decode_log import DecodeQueryLog, StepPlacement
-from vllm_kvevict.core.host_tier import HostTier
-from vllm_kvevict.core.kernel_dispatch import (
+from vllm_kvevict.core.scoring.chunk_log import ChunkLog
+from vllm_kvevict.core.eviction.compaction import by_age, fill_holes, slot_order
+from vllm_kvevict.core.config.settings import EvictionConfig
+from vllm_kvevict.core.layouts.cpu_layout import token_slots
+from vllm_kvevict.core.scoring.decode_log import DecodeQueryLog, StepPlacement
+from vllm_kvevict.core.offload.host_tier import HostTier
+from vllm_kvevict.core.eviction.kernel_dispatch import (
     cpu_path,
     log_cpu_path_once,
     triton_module,
     use_triton,
 )
-from vllm_kvevict.core.layer_stack import LayerCache, LayerStack
-from vllm_kvevict.core.plans import STEP_ATTR, CompactionPlan, EvictionStep
+from vllm_kvevict.core.layouts.layer_stack import LayerCache, LayerStack
+from vllm_kvevict.core.eviction.plans import STEP_ATTR, CompactionPlan, EvictionStep
 from vllm_kvevict.core.policies import make_policy
-from vllm_kvevict.core.private_scores import PrivateScores, restore
-from vllm_kvevict.core.query_window import QueryWindow
+from vllm_kvevict.core.scoring.private_scores import PrivateScores, restore
+from vllm_kvevict.core.scoring.query_window import QueryWindow
 from vllm_kvevict.integration.metrics import Snapshot
 from vllm_kvevict.integration.offload_attention import (
     OffloadState,

@@ -3,7 +3,7 @@
 The same keys serve both front doors:
   CLI      `vllm serve M --kv-eviction h2o --kv-budget 256 --kv-recent 64`
   offline  `LLM(M, additional_config={"kv_eviction": "h2o", "kv_budget": 256})`
-What each setting means, its flag, default and parser: core/flags.py, the one
+What each setting means, its flag, default and parser: core/config/flags.py, the one
 table. Here: the values it fills, one per subsystem (EvictionConfig with its
 OffloadSettings and ModuleLimits), and the rules between settings. Every
 error names the flag, so a bad value fails at startup, never mid-request.
@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from vllm_kvevict.core.flags import (  # noqa: F401  (MAX_COUNT..VICTIMS: re-exported)
+from vllm_kvevict.core.config.flags import (  # noqa: F401  (MAX_COUNT..VICTIMS: re-exported)
     FLAGS,
     MAX_COUNT,
     POLICIES,
@@ -42,7 +42,7 @@ DEFAULT_SWAP_SPACE = 4 << 30  # host pool bytes under infinigen when not given
 class ModuleLimits:
     """What clients may pin and send through the prompt-module schema routes
     (integration/server_routes.py; offline `register_schema` is not limited):
-    the `modules` group of core/flags.py (--kv-max-schemas, --kv-max-pinned,
+    the `modules` group of core/config/flags.py (--kv-max-schemas, --kv-max-pinned,
     --kv-max-pml-bytes, --kv-max-modules)."""
 
     max_schemas: int = default("kv_max_schemas")
@@ -53,7 +53,7 @@ class ModuleLimits:
 
 @dataclass(frozen=True)
 class OffloadSettings:
-    """InfiniGen offload's settings: the `offload` group of core/flags.py.
+    """InfiniGen offload's settings: the `offload` group of core/config/flags.py.
     Whether offload is on depends on the policy too (EvictionConfig.offload)."""
 
     swap_space: int | None = default("kv_swap_space")  # bytes; None: see swap_bytes
@@ -65,13 +65,13 @@ class OffloadSettings:
 
 
 def _parsed(raw: dict[str, Any], name: str) -> dict[str, Any]:
-    """The settings of one group of core/flags.py, parsed, by config field."""
+    """The settings of one group of core/config/flags.py, parsed, by config field."""
     return {f.field: f.read(raw) for f in group(name)}
 
 
 @dataclass(frozen=True)
 class EvictionConfig:
-    """What to keep per request: the `eviction` group of core/flags.py (policy
+    """What to keep per request: the `eviction` group of core/config/flags.py (policy
     is --kv-eviction; budget, recent, sink, window and prefill_cap are the
     flags of the same name), with offload's settings in `host` and the
     prompt-module limits in `limits`.

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.core.host_tier import HostTier
-from vllm_kvevict.core.skewing import skew_keys, skew_queries
+from vllm_kvevict.core.offload.host_tier import HostTier
+from vllm_kvevict.core.offload.skewing import skew_keys, skew_queries
 
 # ---------------------------------------------------------------------------
 # Decode math

@@ -51,5 +51,5 @@ class EvictionStep:
     unscored: list[str] = field(default_factory=list)
     # H2O: req_id -> n, for requests that start this step with n prompt tokens
     # in blocks others may read (prefix hit, prompt modules): workers score
-    # those tokens in private rows (core/private_scores.py).
+    # those tokens in private rows (core/scoring/private_scores.py).
     shared_prefix: dict[str, int] = field(default_factory=dict)

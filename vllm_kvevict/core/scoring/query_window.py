@@ -28,7 +28,7 @@ from collections.abc import Iterable
 
 import torch
 
-from vllm_kvevict.core.decode_log import StepPlacement, free_row, store_queries
+from vllm_kvevict.core.scoring.decode_log import StepPlacement, free_row, store_queries
 
 
 class QueryWindow:

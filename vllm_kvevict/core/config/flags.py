@@ -1,19 +1,19 @@
 """The --kv-* settings, declared once: key, flag, default, parser and help.
 
 `TABLE` is the one list of the plugin's settings. Everything else reads it:
-  - core/config.py builds EvictionConfig from it (each value parsed by its
+  - core/config/settings.py builds EvictionConfig from it (each value parsed by its
     flag's parser, in table order, a group at a time) and takes its defaults;
   - patches/engine_args.py adds one `vllm serve` flag per entry, with its help
     and default (`vllm serve --help=kv-`);
   - the flag tables in README.md, docs/offload.md and docs/prompt_modules.md
-    are generated from it (`python -m vllm_kvevict.core.flags --markdown`), and
+    are generated from it (`python -m vllm_kvevict.core.config.flags --markdown`), and
     tests/test_flags.py fails when a table there disagrees.
 A key of `additional_config` is the flag's name with underscores
 (`--kv-budget` <-> `kv_budget`). Every parser's error names the flag, so a bad
 value stops startup, never a request.
 
-    python -m vllm_kvevict.core.flags --markdown [GROUP ...]   # print the table
-    python -m vllm_kvevict.core.flags --write FILE ...          # refresh marked tables
+    python -m vllm_kvevict.core.config.flags --markdown [GROUP ...]   # print the table
+    python -m vllm_kvevict.core.config.flags --write FILE ...          # refresh marked tables
 """
 
 from __future__ import annotations
@@ -381,8 +381,8 @@ def main(argv: list[str]) -> int:
                     f.write(new)
                 print(f"rewrote the flag table(s) in {path}")
         return 0
-    print("usage: python -m vllm_kvevict.core.flags --markdown [GROUP ...]\n"
-          "       python -m vllm_kvevict.core.flags --write FILE ...", file=sys.stderr)
+    print("usage: python -m vllm_kvevict.core.config.flags --markdown [GROUP ...]\n"
+          "       python -m vllm_kvevict.core.config.flags --write FILE ...", file=sys.stderr)
     return 2
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.core.decode_log import PrivateOf, score_logged
+from vllm_kvevict.core.scoring.decode_log import PrivateOf, score_logged
 
 
 @dataclass(frozen=True)

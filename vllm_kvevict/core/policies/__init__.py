@@ -20,7 +20,7 @@ presses). Adding a policy is one class here, one line in `POLICIES`, and tests:
                  (`scores`), which the worker keeps for it.
 The prefix cache and prompt modules follow from them (integration/spec.py): a
 policy that needs_scores scores a request's shared first blocks in private
-rows (core/private_scores.py); a window policy's window is the newest queries
+rows (core/scoring/private_scores.py); a window policy's window is the newest queries
 the request computed, so after a prefix hit it holds the uncached end of the
 prompt (at most `window` tokens, at least one).
 """
@@ -150,7 +150,7 @@ class StreamingPolicy(EvictionPolicy):
 class WindowPolicy(EvictionPolicy):
     """Scored by an observation window (SnapKV, AnDPro): at each compaction, the
     last `window` queries score every resident token
-    (`vllm_kvevict.core.window_scores`), and the kept set is the recent tokens
+    (`vllm_kvevict.core.scoring.window_scores`), and the kept set is the recent tokens
     (the window itself, unless the budget is under two windows: then half the
     budget) plus the best-scored older ones.
 
@@ -186,7 +186,7 @@ class WindowPolicy(EvictionPolicy):
                scale: float, recent: int | None = None) -> torch.Tensor:
         """(B, w, H_q, D), (B, H, n, D) x2 -> (B, H, n) selection scores; the
         `recent` newest tokens (default: the window) are the ones always kept."""
-        from vllm_kvevict.core.window_scores import window_scores
+        from vllm_kvevict.core.scoring.window_scores import window_scores
 
         return window_scores(self.name, q, k, v, scale, recent)
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from vllm_kvevict.core.pml import PMLError
-from vllm_kvevict.core.prompt_layout import SchemaLayout
+from vllm_kvevict.core.modules.pml import PMLError
+from vllm_kvevict.core.modules.prompt_layout import SchemaLayout
 
 
 def ident(name: str, scope: str) -> str:

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
-from vllm_kvevict.core.cpu_layout import token_slots
-from vllm_kvevict.core.kernel_dispatch import cpu_kernel_isa, triton_module, upload, use_triton
+from vllm_kvevict.core.layouts.cpu_layout import token_slots
+from vllm_kvevict.core.eviction.kernel_dispatch import cpu_kernel_isa, triton_module, upload, use_triton
 
 # Bound the (R, H, T*G, keys) float32 logits of one tile to about 8 MB: the
 # passes over a tile (mask, softmax, the weighted column sum) then run in cache
@@ -58,7 +58,7 @@ def score_queries(scores: torch.Tensor, layout, key_cache: torch.Tensor,
     block_rows: (R, nblk) block ids covering max(visible[r]) tokens of row r
     private:    per row, None or (H, n): row r's scores of its first n
                 positions go there instead of to their (shared) slots
-                (core/private_scores.py)
+                (core/scoring/private_scores.py)
 
     Per tile of queries, only the keys some query of the tile sees are scored
     (causal prefill: about half the logits), and the sums over queries and

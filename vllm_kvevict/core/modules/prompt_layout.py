@@ -38,7 +38,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vllm_kvevict.core.pml import Import, Module, Param, PMLError, Prompt, Schema, Text, Union
+from vllm_kvevict.core.modules.pml import Import, Module, Param, PMLError, Prompt, Schema, Text, Union
 
 Tokenize = Callable[[str], list[int]]
 

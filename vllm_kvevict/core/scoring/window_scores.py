@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm_kvevict.core.kernel_dispatch import cpu_kernel_isa, triton_module, use_triton
+from vllm_kvevict.core.eviction.kernel_dispatch import cpu_kernel_isa, triton_module, use_triton
 
 POOL_KERNEL = 7  # AnDPro appendix B.3 (and SnapKV's kernel for max pooling)
 CHUNK = 4  # AnDPro section 3.4 / Algorithm 1 chunk size
@@ -66,7 +66,7 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Te
 def raw_scores(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
     """(B, H, n) float32 per-token window scores before pooling: the Triton
-    kernel where `vllm_kvevict.core.kernel_dispatch` picks it (CUDA), SnapKV's
+    kernel where `vllm_kvevict.core.eviction.kernel_dispatch` picks it (CUDA), SnapKV's
     column sums in the compiled CPU kernel where it is built, else `raw_scores_torch`."""
     if use_triton(q):
         return triton_module("window").window_raw_scores(kind, q.to(k.dtype), k, v, scale)

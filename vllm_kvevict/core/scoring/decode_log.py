@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from vllm_kvevict.core.kernel_dispatch import cpu_copier
-from vllm_kvevict.core.scores import score_queries
+from vllm_kvevict.core.eviction.kernel_dispatch import cpu_copier
+from vllm_kvevict.core.scoring.scores import score_queries
 
 
 # (req_id, layer name, LayerStack holding it) -> the request's private score
@@ -209,7 +209,7 @@ class DecodeQueryLog:
         block_ids_of(req_id): the request's current block ids (worker's copy),
         None if the worker no longer knows it (its queries are dropped).
         private_of(req_id, layer, stack): its private score row in that layer, or
-        None (core/private_scores.py).
+        None (core/scoring/private_scores.py).
         """
         ids = [r for r in req_ids if self.count.get(r, 0) > 0]
         blocks = {r: block_ids_of(r) for r in ids}

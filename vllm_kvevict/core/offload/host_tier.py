@@ -19,7 +19,7 @@ request's host entries are numbered the same way everywhere: entry j of layer
 l, head h is the j-th token that head evicted.
 
 Storage (``HostTier``), all preallocated, one slot per pool block:
-  data         blocks of a :class:`~vllm_kvevict.core.host_pool.HostKVPool`, keyed
+  data         blocks of a :class:`~vllm_kvevict.core.offload.host_pool.HostKVPool`, keyed
                (request, layer, block); one block is (2, H, BS, D): K and V of
                BS entries per KV head. Each offload starts a fresh block, so
                entry j is block j // BS, offset j % BS; slots past E in the
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.core.host_pool import HostKVPool
+from vllm_kvevict.core.offload.host_pool import HostKVPool
 
 
 @dataclass

@@ -16,8 +16,8 @@ import json
 import os
 from pathlib import Path
 
-from vllm_kvevict.core.config import EvictionConfigError
-from vllm_kvevict.core.skewing import (
+from vllm_kvevict.core.config.settings import EvictionConfigError
+from vllm_kvevict.core.offload.skewing import (
     DEFAULT_CALIBRATION,
     DEFAULT_FRACTION,
     FORMAT_VERSION,

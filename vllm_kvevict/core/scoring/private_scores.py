@@ -1,7 +1,7 @@
 """H2O score rows of a request's own, where its first blocks are shared.
 
 H2O's accumulated attention lives beside the KV, one float per (KV head, slot)
-(`core/scores.py`). A request that starts with blocks another request may read
+(`core/scoring/scores.py`). A request that starts with blocks another request may read
 (a prefix-cache hit, imported prompt modules: vLLM puts them first in its
 block row) must not add its attention into those blocks' slots: the owner, a
 later importer, or a stale value from an earlier request would share them.

@@ -223,10 +223,10 @@ def speculate(q_partial: torch.Tensor, k_partial: torch.Tensor, lengths: torch.T
     highest partial logit first.
 
     Runs the Triton kernel (``triton_kernels.partial_attention``) where
-    :func:`vllm_kvevict.core.kernel_dispatch.use_triton` says so (CUDA), else
+    :func:`vllm_kvevict.core.eviction.kernel_dispatch.use_triton` says so (CUDA), else
     :func:`partial_attention_torch`.
     """
-    from vllm_kvevict.core.kernel_dispatch import triton_module, use_triton
+    from vllm_kvevict.core.eviction.kernel_dispatch import triton_module, use_triton
 
     if use_triton(q_partial):
         cols = torch.arange(q_partial.shape[-1], device=q_partial.device)

@@ -48,7 +48,7 @@ def use_triton(x: torch.Tensor, layout=None) -> bool:
     if m == "torch" or not _triton_imports():
         return False
     if layout is not None:
-        from vllm_kvevict.core.nhd_layout import NHDLayout
+        from vllm_kvevict.core.layouts.nhd_layout import NHDLayout
 
         if not isinstance(layout, NHDLayout) or layout.block_size < 16 \
                 or layout.block_size & (layout.block_size - 1):
@@ -84,7 +84,7 @@ def cpu_kernel_isa(queries: torch.Tensor, keys: torch.Tensor, layout=None) -> st
     The bf16 paths (amx, avx512bf16) need bf16 queries and keys, and amx a
     head size of 32-128 in steps of 32; the next path down runs otherwise
     (float32 data: avx2, which any AVX2 CPU runs)."""
-    from vllm_kvevict.core.cpu_layout import KVLayout
+    from vllm_kvevict.core.layouts.cpu_layout import KVLayout
 
     if mode() == "torch" or keys.device.type != "cpu" or queries.shape[-1] % 2:
         return None
@@ -105,7 +105,7 @@ def cpu_kernel_isa(queries: torch.Tensor, keys: torch.Tensor, layout=None) -> st
 def cpu_token_mover(layout, cache: torch.Tensor):
     """The compiled CPU kernel's module when it moves tokens of `cache` (the
     CPU backend's paged cache, `KVLayout`, bf16/fp16/fp32), else None (torch)."""
-    from vllm_kvevict.core.cpu_layout import KVLayout
+    from vllm_kvevict.core.layouts.cpu_layout import KVLayout
 
     if not isinstance(layout, KVLayout) or cache.element_size() not in (2, 4):
         return None

@@ -1,6 +1,6 @@
 """Compaction: bring each head's kept tokens into a request's first slots.
 
-Two ways, both vLLM-free and through a layout adapter (`core/layout.py`: `KVLayout` for the CPU
+Two ways, both vLLM-free and through a layout adapter (`core/layouts/layout.py`: `KVLayout` for the CPU
 cache, `NHDLayout` for FlashAttention's), so every backend moves tokens, and
 the scores that travel with them, the same way:
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_kvevict.core.kernel_dispatch import cpu_token_mover
+from vllm_kvevict.core.eviction.kernel_dispatch import cpu_token_mover
 
 
 def compact(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.core.layout import KVCacheLayout
+from vllm_kvevict.core.layouts.layout import KVCacheLayout
 
 
 @dataclass

@@ -21,7 +21,7 @@ just executes its plans, so both sides agree by construction.
 
 from __future__ import annotations
 
-from vllm_kvevict.core.config import EvictionConfig
+from vllm_kvevict.core.config.settings import EvictionConfig
 
 
 def compaction_target(cfg: EvictionConfig, physical: int, logical: int,
