@@ -1,15 +1,13 @@
-"""Cost of one compaction on the CPU path: ordered (O(kept)) vs filling holes (O(evicted)).
+"""Cost of one compaction on the CPU path (filling holes: O(evicted) tokens move).
 
 A request of `--old` resident tokens compacted to `--new` in every layer of a
 SmolLM2-shaped cache (30 layers x 3 KV heads x 64, bf16, block 32, the `vec`
-layout the CPU backend writes), H2O-style (the top `--new` scores per head):
+or `amx` layout the CPU backend writes), H2O-style (the top `--new` scores per
+head), by `compaction.fill_holes` (the worker's path): only the kept tokens past
+`--new` move, into the evicted slots below it, through the compiled kernel
+where it is built (`VLLM_KVEVICT_KERNELS=torch`: the torch fallback).
 
-  ordered     `compaction.compact` + `move_scores`: every kept token is
-              gathered and rewritten in order (the path before issue 19)
-  fill_holes  `compaction.fill_holes`: only the kept tokens past `--new` move,
-              into the evicted slots below it (the worker's path now)
-
-For each: tokens moved per compaction (per layer and head, summed), the bytes
+Printed: tokens moved per compaction (per layer and head, summed), the bytes
 that move (K and V read and written, plus the scores), ms, and achieved GB/s;
 beside them a plain copy of the same number of bytes on the same core
 (`Tensor.copy_`), the bandwidth ceiling the issue compares with. Needs vLLM's
@@ -28,8 +26,7 @@ import time
 
 import torch
 
-from vllm_kvevict.core.eviction.compaction import compact, fill_holes, move_scores
-from vllm_kvevict.core.layouts.cpu_layout import token_slots
+from vllm_kvevict.core.eviction.compaction import fill_holes
 from vllm_kvevict.integration.cpu_backend import layout_for_cache
 
 LAYERS, HEADS, D, BS = 30, 3, 64, 32
@@ -73,17 +70,12 @@ def main(argv=None):
     src_rows = blocks[None] + layer * nb  # (L, n_src)
     dst_rows = src_rows[:, :n_dst].clone()
     dst_rows[:, : args.shared] += n_src  # private copies of the shared blocks
-    src_slots = token_slots(blocks, args.old, BS)[None] + layer * nb * BS
-    dst_slots = token_slots(blocks[:n_dst], args.new, BS)[None] + layer * nb * BS
+    src_slots = (blocks[None, :, None] * BS + torch.arange(BS)).flatten(1)[:, :args.old]
+    src_slots = src_slots + layer * nb * BS
     all_scores = torch.rand(HEADS, LAYERS * nb * BS)
     scores = all_scores[:, src_slots].transpose(0, 1)  # (L, H, old)
     keep = scores.topk(args.new, dim=-1).indices  # any order: fill_holes takes it so
-    keep_sorted = keep.sort(dim=-1).values
     per_token = 2 * D * 2 + 4  # K and V in bf16, one float32 score
-
-    def ordered():
-        compact(layout, kc, vc, src_rows, src_rows[:, :n_dst], keep_sorted)
-        move_scores(all_scores, src_slots, dst_slots, keep_sorted, old=scores)
 
     def holes():
         fill_holes(layout, kc, vc, src_rows, dst_rows, keep, args.old, all_scores)
@@ -98,8 +90,7 @@ def main(argv=None):
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
         return
     rows = []
-    for name, fn, moved in (("ordered", ordered, keep.numel()),
-                            ("fill_holes", holes, int((keep >= args.new).sum()))):
+    for name, fn, moved in (("fill_holes", holes, int((keep >= args.new).sum())),):
         nbytes = 2 * moved * per_token  # read + write of what moves
         ms = _best_ms(fn, args.reps)
         rows.append((name, moved, nbytes, ms, nbytes / ms / 1e6, _copy_gbs(nbytes, args.reps)))

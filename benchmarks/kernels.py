@@ -132,7 +132,7 @@ def row_window(k, cfg, kind, dtype, device, reps):
 
 
 def row_compaction(k, cfg, dtype, device, reps):
-    from vllm_kvevict.core.eviction.compaction import compact, move_scores
+    from vllm_kvevict.core.eviction.compaction import fill_holes
     from vllm_kvevict.core.layouts.nhd_layout import NHDLayout
     rows, old_len, new_len, h, d, bs = cfg
     n_src, n_dst = -(-old_len // bs), -(-new_len // bs)
@@ -149,10 +149,9 @@ def row_compaction(k, cfg, dtype, device, reps):
     f = k["compaction"].compact_in_place
     # Same plan applied again and again: the work per call is identical.
     t = bench(lambda: f(kc, vc, scores, src, dst, keep), device, reps)
-    def torch_path():
-        compact(layout, kc, vc, src_blocks, src_blocks[:, :n_dst], keep)
-        move_scores(scores, src, dst[:, :new_len], keep)
-    t_ref = bench(torch_path, device, reps)
+    # The torch path: fill_holes (what the worker runs without the kernel).
+    t_ref = bench(lambda: fill_holes(layout, kc, vc, src_blocks, src_blocks[:, :n_dst], keep,
+                                     old_len, scores), device, reps)
     byts = 2 * rows * h * new_len * (2 * d * kc.element_size() + 4)
     return [("compaction in place", f"rows={rows} {old_len}->{new_len} H={h} D={d} BS={bs}",
              t, t_ref, byts, 0.0)]

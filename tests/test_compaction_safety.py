@@ -18,12 +18,12 @@ import pytest
 import torch
 from vllm.v1.core.block_pool import BlockPool
 
-from vllm_kvevict.core.eviction.compaction import compact
 from vllm_kvevict.core.config.settings import EvictionConfig
 from vllm_kvevict.core.layouts.nhd_layout import NHDLayout
 from vllm_kvevict.core.eviction.plans import STEP_ATTR, CompactionPlan, EvictionStep
 from vllm_kvevict.integration import worker
 from vllm_kvevict.integration.spec import EvictableAttentionManager, EvictableAttentionSpec
+from vllm_kvevict.triton_kernels.reference import compact_ref
 
 BS, H, D = 16, 2, 32
 
@@ -57,9 +57,9 @@ def test_triton_compaction_refuses_dst_that_is_another_src_slot():
         cmp.compact_in_place(kc, vc, None, src, dst, keep)
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])  # nothing launched
 
-    # What the kernel would have written: the torch path (gather first) is right.
+    # What the kernel would have written: the reference (read first) is right.
     layout, kt, vt = nhd_cache(8)
-    compact(layout, kt, vt, src_blocks, dst_blocks, keep)
+    compact_ref(layout, kt, vt, None, src, dst, keep)
     want = before[0][:7].reshape(-1, H, D)[keep[0, 0]]
     assert torch.equal(kt[dst_blocks[0]].reshape(-1, H, D), want)
 

@@ -1,5 +1,5 @@
 """Compaction by filling holes (vllm_kvevict.core.eviction.compaction.fill_holes) against the
-ordered reference (`compact`), on the CPU layout (strided and element-gather
+ordered reference (`triton_kernels/reference.compact_ref`), on the CPU layout (strided and element-gather
 paths) and FlashAttention's NHD layout.
 
 fill_holes leaves slots out of logical order and says where each kept token
@@ -14,10 +14,11 @@ import pytest
 import torch
 from conftest import needs_stock_writer
 
-from vllm_kvevict.core.eviction.compaction import compact, fill_holes, hole_moves
+from vllm_kvevict.core.eviction.compaction import fill_holes, hole_moves
 from vllm_kvevict.core.layouts.cpu_layout import split_kv_cache
 from vllm_kvevict.core.layouts.nhd_layout import NHDLayout
 from vllm_kvevict.integration.cpu_backend import discover_layout
+from vllm_kvevict.triton_kernels.reference import compact_ref
 
 BS, D, H, NB = 32, 64, 2, 24
 
@@ -75,7 +76,10 @@ def test_fill_holes_holds_what_ordered_compaction_holds(name, copy_on_write):
 
     ref_kv, ref_scores = kv.clone(), scores.clone()
     rk, rv = split(ref_kv)
-    compact(layout, rk, rv, src, dst, keep.sort(dim=2).values)
+    slots = lambda blocks, n: (blocks[:, torch.arange(n) // BS] * BS  # noqa: E731
+                               + torch.arange(n) % BS)
+    compact_ref(layout, rk, rv, None, slots(src, old_len), slots(dst, 3 * BS),
+                keep.sort(dim=2).values)
     kc, vc = split(kv)
     before_k = layout.gather_keys(kc, src, 4).clone()
     before_v = layout.gather_values(vc, src, 4).clone()

@@ -221,11 +221,12 @@ def test_compacting_a_request_in_place(isa, dtype, bs, d, h, path):
 @pytest.mark.parametrize("isa,dtype,bs,d,h", CASES, ids=IDS)
 @PATHS
 def test_compaction_path_moves_tokens_and_scores(isa, dtype, bs, d, h, path):
-    """Scenario: the plugin's compaction (vllm_kvevict.core.eviction.compaction.compact) keeps a
-    different subset per head, in place over the same blocks. The cache equals
-    the stock writer storing the kept tokens (the rest of the last block zeroed),
-    other requests' blocks are untouched, and scores move with their tokens."""
-    from vllm_kvevict.core.eviction.compaction import compact, move_scores
+    """Scenario: the plugin's compaction (vllm_kvevict.core.eviction.compaction.fill_holes)
+    keeps a different subset per head, in place over the same blocks. Slots
+    [0, n_new) then equal the stock writer storing each kept token where
+    fill_holes says it went, the slots past n_new and other requests' blocks
+    are untouched, and scores move with their tokens."""
+    from vllm_kvevict.core.eviction.compaction import fill_holes
 
     gen = torch.Generator().manual_seed(13 * bs + d + h)
     L = _layout(isa, dtype, bs, d, h, path)
@@ -236,23 +237,24 @@ def test_compaction_path_moves_tokens_and_scores(isa, dtype, bs, d, h, path):
     v = torch.randn(n_old, h, d, generator=gen).to(dtype)
     ops.cpu_attn_reshape_and_cache(k, v, kc, vc, _slots(table[0], torch.arange(n_old), bs), isa)
     scores = torch.rand(h, NB * bs, generator=gen)
-    keep = torch.stack([torch.randperm(n_old, generator=gen)[:n_new].sort().values
-                        for _ in range(h)])  # [H, n_new]
-
+    keep = torch.stack([torch.randperm(n_old, generator=gen)[:n_new]
+                        for _ in range(h)])  # [H, n_new], any order
     expected, expected_scores = kv.clone(), scores.clone()
-    hh = torch.arange(h).view(-1, 1)
-    n_dst = (n_new + bs - 1) // bs
-    kk = torch.zeros(n_dst * bs, h, d, dtype=dtype)
-    vk = torch.zeros(n_dst * bs, h, d, dtype=dtype)
-    kk[:n_new], vk[:n_new] = k[keep, hh].transpose(0, 1), v[keep, hh].transpose(0, 1)
-    dst = _slots(table[0], torch.arange(n_dst * bs), bs)
-    ops.cpu_attn_reshape_and_cache(kk, vk, *split_kv_cache(expected), dst, isa)
     old_slots = _slots(table[0], torch.arange(n_old), bs)
-    expected_scores[:, dst[:n_new]] = scores[:, old_slots].gather(1, keep)
 
+    n_dst = (n_new + bs - 1) // bs
     src_blocks = table[:1, : (n_old + bs - 1) // bs].long()
-    compact(L, kc, vc, src_blocks, src_blocks[:, :n_dst], keep[None])
-    move_scores(scores, old_slots[None], dst[None, :n_new], keep[None])
+    after = fill_holes(L, kc, vc, src_blocks, src_blocks[:, :n_dst], keep[None], n_old,
+                       scores)[0]  # [H, n_new]: the slot each kept token went to
+    assert torch.equal(after.sort(dim=1).values, torch.arange(n_new).expand(h, -1))
+
+    hh = torch.arange(h).view(-1, 1)
+    kk = torch.zeros(n_new, h, d, dtype=dtype)
+    vk = torch.zeros(n_new, h, d, dtype=dtype)
+    kk[after, hh], vk[after, hh] = k[keep, hh], v[keep, hh]
+    new_slots = old_slots[:n_new]
+    ops.cpu_attn_reshape_and_cache(kk, vk, *split_kv_cache(expected), new_slots, isa)
+    expected_scores[hh, new_slots[after]] = expected_scores[hh, old_slots[keep]]
     assert torch.equal(kv, expected)
     assert torch.equal(scores, expected_scores)
 
@@ -263,17 +265,19 @@ def test_batched_compaction_equals_one_row_at_a_time(isa, dtype, bs, d, h):
     """Scenario: the worker compacts one request in every layer at once (rows =
     layers, blocks offset per layer). Two rows in one call leave the cache exactly
     as two one-row calls do."""
-    from vllm_kvevict.core.eviction.compaction import compact
+    from vllm_kvevict.core.eviction.compaction import fill_holes
 
     gen = torch.Generator().manual_seed(h + bs)
     L = _layout(isa, dtype, bs, d, h, "strided")
     kv, kc, vc = _cache(dtype, bs, d, h)
     kv.copy_(torch.randn(kv.shape, generator=gen).to(dtype))
     src = torch.tensor([[0, 1, 2], [6, 7, 8]])
-    keep = torch.stack([torch.stack([torch.randperm(3 * bs - 5, generator=gen)[:bs + 1].sort().values
+    old_len = 3 * bs - 5
+    keep = torch.stack([torch.stack([torch.randperm(old_len, generator=gen)[:bs + 1]
                                      for _ in range(h)]) for _ in range(2)])  # (2, H, bs+1)
     one = kv.clone()
     for r in range(2):
-        compact(L, *split_kv_cache(one), src[r:r + 1], src[r:r + 1, :2], keep[r:r + 1])
-    compact(L, kc, vc, src, src[:, :2], keep)
+        fill_holes(L, *split_kv_cache(one), src[r:r + 1], src[r:r + 1, :2], keep[r:r + 1],
+                   old_len)
+    fill_holes(L, kc, vc, src, src[:, :2], keep, old_len)
     assert torch.equal(kv, one)

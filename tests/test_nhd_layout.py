@@ -194,11 +194,12 @@ def test_write_blocks(dtype, h, bs, layout):
 
 
 @pytest.mark.parametrize("dtype,h,bs,layout", GRID, ids=IDS)
-def test_compact_through_nhd_layout(dtype, h, bs, layout):
-    """The worker's one compaction path (vllm_kvevict.core.eviction.compaction) on this layout:
-    per head, kept tokens and their scores packed in order into the first
-    destination slots, the rest of the last destination block zeroed."""
-    from vllm_kvevict.core.eviction.compaction import compact, move_scores
+def test_fill_holes_through_nhd_layout(dtype, h, bs, layout):
+    """The worker's compaction (vllm_kvevict.core.eviction.compaction.fill_holes)
+    on this layout: per head, each kept token and its score land in the
+    destination slot fill_holes names, [0, new_len) holds exactly the kept
+    tokens, and nothing outside the row's blocks is written."""
+    from vllm_kvevict.core.eviction.compaction import fill_holes
 
     kv = make_cache(dtype, h, bs, layout)
     lay = NHDLayout.for_cache(kv)
@@ -207,23 +208,18 @@ def test_compact_through_nhd_layout(dtype, h, bs, layout):
     src, dst = torch.tensor([7, 2, 5]), torch.tensor([7, 2])
     old_len, new_len = 3 * bs - 4, 2 * bs - 5
     g = torch.Generator().manual_seed(4)
-    keep = torch.stack([torch.randperm(old_len, generator=g)[:new_len].sort().values
-                        for _ in range(h)])
+    keep = torch.stack([torch.randperm(old_len, generator=g)[:new_len] for _ in range(h)])
     snap, snap_scores = kv.clone(), scores.clone()
-    compact(lay, kc, vc, src[None], dst[None], keep[None])
-    slots = lambda blocks, n: blocks[torch.arange(n) // bs] * bs + torch.arange(n) % bs  # noqa: E731
-    move_scores(scores, slots(src, old_len)[None], slots(dst, new_len)[None], keep[None])
-    for hh, j in itertools.product(range(h), range(2 * bs)):
+    after = fill_holes(lay, kc, vc, src[None], dst[None], keep[None], old_len, scores)[0]
+    assert torch.equal(after.sort(dim=1).values, torch.arange(new_len).expand(h, -1))
+    for hh, i in itertools.product(range(h), range(new_len)):
+        j, t = int(after[hh, i]), int(keep[hh, i])
         d_slot = int(dst[j // bs]) * bs + j % bs
+        s_slot = int(src[t // bs]) * bs + t % bs
         got = ref_kv(kv, d_slot // bs, d_slot % bs, hh)
-        if j < new_len:
-            t = int(keep[hh, j])
-            s_slot = int(src[t // bs]) * bs + t % bs
-            want = ref_kv(snap, s_slot // bs, s_slot % bs, hh)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-            assert scores[hh, d_slot] == snap_scores[hh, s_slot]
-        else:
-            assert not got[0].any() and not got[1].any()
+        want = ref_kv(snap, s_slot // bs, s_slot % bs, hh)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert scores[hh, d_slot] == snap_scores[hh, s_slot]
     blocks = (lambda x, b: x[b]) if kv.dim() == 4 else (lambda x, b: x[:, b])
     for b in (0, 1, 3, 4, 6, 8, 9):  # blocks outside the row
         assert torch.equal(blocks(kv, b), blocks(snap, b))
@@ -265,24 +261,6 @@ def test_device_agnostic():
                lay.gather_keys_t(kc, bt, 3)]
     assert spy.ops == []
     assert all(t.device.type == "meta" for t in (k, v, *out))
-
-
-def test_compact_device_agnostic():
-    """As the worker calls it: block ids and keep from CPU lists, cache and
-    scores on the accelerator ('meta' here)."""
-    from vllm_kvevict.core.eviction.compaction import compact, move_scores
-
-    kv = torch.empty(NB, 2, 16, 2 * D, dtype=torch.bfloat16, device="meta")
-    lay = NHDLayout.for_cache(kv)
-    kc, vc = lay.split(kv)
-    scores = torch.empty(2, NB * 16, device="meta")
-    keep = torch.zeros(1, 2, 20, dtype=torch.long, device="meta")  # policy.select output
-    src, dst = torch.tensor([[3, 4]]), torch.tensor([[3, 4]])
-    src_slots, dst_slots = torch.arange(3 * 16, 5 * 16)[None], torch.arange(3 * 16, 3 * 16 + 20)[None]
-    with CPUTensorSpy() as spy:
-        compact(lay, kc, vc, src, dst, keep)
-        move_scores(scores, src_slots, dst_slots, keep)
-    assert spy.ops == []
 
 
 def test_both_layouts_implement_the_protocol():

@@ -1,8 +1,10 @@
 """Launcher: in-place compaction of the NHD paged cache (`jit/compaction.py`).
 
-Does what `vllm_kvevict.core.eviction.compaction.compact` + `move_scores` do, in one kernel
-and without the intermediate gathered copy. Reference:
-`reference.compact_ref`.
+Every kept token of each (row, KV head), with its score, moves in order to
+the row's first slots, in one kernel, without an intermediate gathered copy
+and without a host sync (the CPU path, `core/eviction/compaction.fill_holes`,
+moves only the tokens past the new length, but finds them with `nonzero`).
+Reference: `reference.compact_ref`.
 """
 from __future__ import annotations
 

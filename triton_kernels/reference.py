@@ -38,25 +38,37 @@ def paged_attention_scores_ref(query, key_cache, value_cache, block_table, query
     return out, delta
 
 
-def compact_ref(key_cache, value_cache, scores, src_slots, dst_slots, keep):
-    """Out-of-place `compaction.compact_in_place`: read every kept token first,
-    then write. Modifies the given tensors."""
-    nb, bs, h, d = key_cache.shape
+def compact_ref(layout, key_cache, value_cache, scores, src_slots, dst_slots, keep):
+    """Ordered compaction from its definition, one (row, KV head) at a time,
+    through any KV layout (`core/layouts/layout.py`): the kept tokens
+    keep[r, h] (ascending indices into the row's old tokens at src_slots[r]),
+    with their scores, land in order in dst_slots[r, :new_len]; the rest of
+    dst_slots[r] is zeroed. Reads a head's kept tokens before writing them, so
+    dst may overlap src. The reference for `triton_kernels/compaction.py` and,
+    up to where each kept token ends, for the worker's `fill_holes`.
+
+    src_slots: (R, >= old_len), dst_slots: (R, >= new_len) int slots
+    block * BS + offset; keep: (R, H, new_len); scores: (H, NB * BS) or None.
+    Modifies the given tensors."""
+    bs, h = layout.block_size, keep.shape[1]
     new_len = keep.shape[2]
     for r in range(keep.shape[0]):
+        dst = dst_slots[r].long().cpu()
         for kv in range(h):
-            src = src_slots[r, keep[r, kv]].long()  # (new_len,)
-            k = key_cache[src // bs, src % bs, kv].clone()
-            v = value_cache[src // bs, src % bs, kv].clone()
-            s = scores[kv, src].clone() if scores is not None else None
-            dst = dst_slots[r].long()
-            key_cache[dst // bs, dst % bs, kv] = 0
-            value_cache[dst // bs, dst % bs, kv] = 0
-            key_cache[dst[:new_len] // bs, dst[:new_len] % bs, kv] = k
-            value_cache[dst[:new_len] // bs, dst[:new_len] % bs, kv] = v
+            src = src_slots[r].long().cpu()[keep[r, kv].long().cpu()]
+            head = torch.full_like(src, kv)
+            k, v = layout.read_tokens(key_cache, value_cache, src // bs, src % bs, heads=head)
+            s = scores[kv, src.to(scores.device)].clone() if scores is not None else None
+            every = torch.full_like(dst, kv)
+            zeros = torch.zeros(dst.numel(), layout.head_size)
+            layout.write_tokens(key_cache, value_cache, dst // bs, dst % bs, zeros, zeros,
+                                heads=every)
+            kept = dst[:new_len]
+            layout.write_tokens(key_cache, value_cache, kept // bs, kept % bs, k, v,
+                                heads=head)
             if scores is not None:
-                scores[kv, dst] = 0
-                scores[kv, dst[:new_len]] = s
+                scores[kv, dst.to(scores.device)] = 0
+                scores[kv, kept.to(scores.device)] = s
 
 
 def partial_attention_ref(q, k, cols, lengths, alpha, scale=1.0):

@@ -1,17 +1,19 @@
 """Compaction: bring each head's kept tokens into a request's first slots.
 
-Two ways, both vLLM-free and through a layout adapter (`core/layouts/layout.py`: `KVLayout` for the CPU
-cache, `NHDLayout` for FlashAttention's), so every backend moves tokens, and
-the scores that travel with them, the same way:
+`fill_holes` moves only the kept tokens that lie past the new length into the
+slots evicted below it: O(evicted) tokens move, and slots no longer hold tokens
+in logical order. It returns where each kept token now lives, and the worker
+keeps that slot order per request (`WorkerEviction.order`). It is vLLM-free and
+goes through a layout adapter (`core/layouts/layout.py`: `KVLayout` for the
+CPU cache, `NHDLayout` for FlashAttention's), so every backend moves tokens,
+and the scores that travel with them, the same way; the per-token moves run in
+the compiled CPU kernel where it is built (`kernel_dispatch.cpu_token_mover`).
 
-  fill_holes  (the worker's path) moves only the kept tokens that lie past the
-              new length into the slots evicted below it: O(evicted) tokens
-              move, and slots no longer hold tokens in logical order. It
-              returns where each kept token now lives, and the worker keeps
-              that slot order per request (`WorkerEviction.order`).
-  compact     moves every kept token, in order, to slots [0, new_len):
-              O(kept). The reference for fill_holes, and what the Triton kernel
-              (triton_kernels/compaction.py, its GPU counterpart) does.
+On CUDA the worker runs the Triton kernel instead (triton_kernels/compaction.py:
+every kept token, in order, to slots [0, new_len), in one launch without a host
+sync). Both are held to one plain reference written from the definition,
+`triton_kernels/reference.compact_ref` (tests/test_fill_holes.py,
+tests/test_triton_kernels.py).
 
 Rows are batched: the worker compacts one request in every layer at once when
 the layers' caches are slices of one buffer (row l = layer l, blocks offset by
@@ -23,61 +25,6 @@ from __future__ import annotations
 import torch
 
 from vllm_kvevict.core.eviction.kernel_dispatch import cpu_token_mover
-
-
-def compact(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
-            src_blocks: torch.Tensor, dst_blocks: torch.Tensor, keep: torch.Tensor,
-            gathered: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Gather, per row and KV head, the kept tokens and write them in order to
-    slots [0, new_len) of that row's destination blocks.
-
-    src_blocks: (B, n_src) int64 blocks holding each row's old tokens
-    dst_blocks: (B, n_dst) int64, n_dst = ceil(new_len / BS); may equal src
-                blocks (everything is read before anything is written)
-    keep:       (B, H, new_len) int64 ascending token indices into the old row
-
-    gathered:   (K, V) of src_blocks, each (B, H, n_src*BS, D), when the caller
-                already gathered them (to score the tokens)
-
-    Whole blocks are written: slots of the last destination block past
-    new_len are zeroed (nothing valid lives there; the next tokens go there).
-    """
-    b, h, new_len = keep.shape
-    bs, d = layout.block_size, layout.head_size
-    # The worker builds block ids on the CPU; the cache may live on a GPU.
-    src_blocks, dst_blocks = src_blocks.to(key_cache.device), dst_blocks.to(key_cache.device)
-    keep = keep.to(key_cache.device)
-    n_src, n_dst = src_blocks.shape[1], dst_blocks.shape[1]
-    if gathered is None:
-        gathered = (layout.gather_keys(key_cache, src_blocks, n_src),  # (B, H, n_src*BS, D)
-                    layout.gather_values(value_cache, src_blocks, n_src))
-    k, v = gathered
-    # NOTE: one row gather (index_select of D-element rows) instead of an
-    # element-wise gather along the token axis: whole rows copy as runs, not
-    # one indexed element at a time (docs/results.md, "Figures behind code comments").
-    n = k.shape[2]
-    rows = torch.zeros(b, h, n_dst * bs, dtype=torch.int64, device=keep.device)
-    rows[:, :, :new_len] = keep + n * torch.arange(b * h, device=keep.device).view(b, h, 1)
-    new_k = k.reshape(-1, d).index_select(0, rows.flatten()).view(b, h, n_dst * bs, d)
-    new_v = v.reshape(-1, d).index_select(0, rows.flatten()).view(b, h, n_dst * bs, d)
-    new_k[:, :, new_len:] = 0  # the rest of the last block (padding rows read row 0)
-    new_v[:, :, new_len:] = 0
-    layout.write_blocks(key_cache, value_cache, dst_blocks, new_k, new_v)
-
-
-def move_scores(scores: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
-                keep: torch.Tensor, old: torch.Tensor | None = None) -> None:
-    """Move per-slot scores along with their tokens.
-
-    scores: (H, S) float32; src_slots: (B, old_len); dst_slots: (B, new_len);
-    keep: (B, H, new_len) as for `compact`; old: (B, H, old_len) the scores
-    at src_slots when the caller already gathered them (to pick `keep`).
-    """
-    dev = scores.device
-    if old is None:
-        old = scores[:, src_slots.to(dev)].transpose(0, 1)
-    moved = old.gather(2, keep.to(dev))
-    scores[:, dst_slots.to(dev)] = moved.transpose(0, 1)
 
 
 def hole_moves(keep: torch.Tensor, old_len: int) -> tuple[torch.Tensor, ...]:
@@ -175,8 +122,8 @@ def by_age(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     if x.dim() == 3:
         return x.gather(2, idx)
     # (L, H, n, D): one row gather (index_select of D-element rows), not an
-    # element-wise gather along n, for the reason `compact` gives; it runs for
-    # K and V at every snapkv/andpro compaction.
+    # element-wise gather along n: whole rows copy as runs, not one indexed
+    # element at a time. It runs for K and V at every snapkv/andpro compaction.
     l, h, n, d = x.shape
     flat = idx + n * torch.arange(l * h, device=x.device).view(l, h, 1)
     return x.reshape(-1, d).index_select(0, flat.flatten()).view(l, h, -1, d)
