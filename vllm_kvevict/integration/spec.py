@@ -8,9 +8,11 @@ unpickles the spec, builds an `EvictableAttentionManager` for that group.
 The manager is vLLM's FullAttentionManager with one idea added: a request
 holds `logical - evicted` physical tokens. Block needs are computed from the
 physical length, and `remove_skipped_blocks` (called by `allocate_slots`
-before every allocation) is where compaction is decided, tail blocks go back to
-vLLM's BlockPool, and shared/prefix-cached kept blocks are swapped for private
-ones. Plans wait in `pending` until the scheduler step is sent.
+before every allocation) is the compaction point: core/eviction/blocks.py
+decides, from plain values read here, whether the request compacts and which
+blocks go back to vLLM's BlockPool, get private copies or leave the prefix
+cache; `_apply` carries that out on the BlockPool. Plans wait in `pending`
+until the scheduler step is sent.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from vllm_kvevict.core.config.settings import EvictionConfig
-from vllm_kvevict.core.eviction.planner import compaction_target
+from vllm_kvevict.core.eviction.blocks import (Block, BlockDecision, PoolView, RequestState,
+                                               compaction_point, decide_blocks)
 from vllm_kvevict.core.eviction.plans import CompactionPlan, EvictionStep
 from vllm_kvevict.core.policies import make_policy
 from vllm_kvevict.integration.metrics import BUSY_INTERVAL, Snapshot
@@ -159,89 +162,59 @@ class EvictableAttentionManager(FullAttentionManager):
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
+        """vLLM's hook before every allocation: the compaction point. The
+        decision is core/eviction/blocks.py's; this reads the request's row and
+        the pool into it and applies the answer to the BlockPool."""
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return
         req = self.requests.get(request_id)
-        if req is not None and req.is_finished():
-            # vLLM's _connector_finished (offload configures a KV connector) asks
-            # for a request it is finishing: not a compaction point. A plan made
-            # now would compact blocks that are being freed, or, were their free
-            # delayed, reach the workers with a request they drop that step.
-            return
-        logical = processed_computed_tokens
-        ev = self.evicted.get(request_id, 0)
-        physical = logical - ev
-        in_prefill = num_prompt_tokens is not None and logical < num_prompt_tokens
+        # vLLM's _connector_finished (offload configures a KV connector) asks for
+        # a request it is finishing: a plan made now would compact blocks being
+        # freed, or reach the workers with a request they drop that step.
+        state = RequestState(
+            num_blocks=len(blocks), logical=processed_computed_tokens,
+            evicted=self.evicted.get(request_id, 0), num_prompt_tokens=num_prompt_tokens,
+            has_plan=any(p.req_id == request_id for p in self.pending),
+            finishing=req is not None and req.is_finished())
+        pool = PoolView(num_free=self.block_pool.get_num_free_blocks(),
+                        other_requests=len(self.req_to_blocks) - 1,
+                        chunk_tokens=self.chunk_tokens)
         cfg = self.request_config(request_id)
-        room = not in_prefill or self._room_for_next_chunk(
-            blocks, physical, num_prompt_tokens - logical)
-        target = compaction_target(cfg, physical, logical, in_prefill, self.block_size, room)
-        if target is None or any(p.req_id == request_id for p in self.pending):
+        target = compaction_point(cfg, state, pool, self.block_size)
+        if target is None:
             return
-        old_blocks = cdiv(physical, self.block_size)
-        keep_blocks = cdiv(target, self.block_size)
-        src = blocks[:old_blocks]
-        # A block another request reads is never written in place: compaction
-        # writes a private block instead. So is a prefix-cached block only we
-        # hold, when the pool can spare the copies: it stays in the prefix cache
-        # for the next request with the same prefix. When it cannot, such a
-        # block leaves the prefix cache and is compacted in place, so the first
-        # compaction needs no extra blocks even when the pool is full.
-        shared = [i for i in range(keep_blocks) if src[i].ref_cnt > 1]
-        cached = [i for i in range(keep_blocks)
-                  if src[i].ref_cnt == 1 and src[i].block_hash is not None]
-        if cached and len(shared) + len(cached) <= self.block_pool.get_num_free_blocks():
-            shared = sorted(shared + cached)
-        # Private copies come from the blocks free NOW, before the tail is freed.
-        # The worker moves tokens in place (the Triton kernel, triton_kernels/
-        # compaction.py, reads ahead of where it writes): a destination block must
-        # be its own source block or one no source uses. A freed tail block still
-        # holds kept tokens not yet moved (the recent window at least), and vLLM's
-        # BlockPool hands freed hash-less blocks out first (LIFO), so taking the
-        # copies after the free returned exactly those. While the request holds
-        # its tail no source block is in the free queue, so get_new_blocks cannot
-        # return one. The price: the copies must fit in what is free without the
-        # tail; if they do not, the request compacts at a later step (as before
-        # when there was no room), once a block is free or the sharer let go.
-        if len(shared) > self.block_pool.get_num_free_blocks():
-            return  # no room for private copies yet: retry next step
-        fresh = self.block_pool.get_new_blocks(len(shared)) if shared else []
-        tail = blocks[keep_blocks:]
-        freeable = sum(b.ref_cnt == 1 for b in tail)
-        # Free the tail (newest first, like vLLM's free()), then swap shared blocks.
-        del blocks[keep_blocks:]
-        self.block_pool.free_blocks(reversed(tail))
-        copied = set(shared)
-        for i, blk in enumerate(blocks[:keep_blocks]):
-            if i not in copied and blk.ref_cnt == 1 and blk.block_hash is not None:
-                self.block_pool._maybe_evict_cached_block(blk)
-        if shared:
-            for i, blk in zip(shared, fresh):
-                self.block_pool.free_blocks([blocks[i]])
-                blocks[i] = blk
+        row = [Block(b.block_id, b.ref_cnt, b.block_hash is not None) for b in blocks]
+        decision = decide_blocks(row, state.physical, target, self.block_size, pool.num_free)
+        if decision is not None:  # None: no room for private copies yet, retry next step
+            self._apply(request_id, blocks, state, cfg, decision)
+
+    def _apply(self, request_id: str, blocks: list, state: RequestState,
+               cfg: EvictionConfig, d: BlockDecision) -> None:
+        """Carry out `d` on vLLM's BlockPool, in blocks.py's order: copies from
+        the blocks free now, then the tail freed, then the in-place blocks out
+        of the prefix cache, then the copies swapped in."""
+        pool, held = self.block_pool, {b.block_id: b for b in blocks}
+        fresh = pool.get_new_blocks(d.num_new_blocks) if d.num_new_blocks else []
+        del blocks[d.keep:]
+        pool.free_blocks([held[i] for i in d.free_ids])
+        for i in d.uncache_ids:
+            pool._maybe_evict_cached_block(held[i])
+        for row, blk, old in zip(d.copy_rows, fresh, d.release_ids):
+            pool.free_blocks([held[old]])
+            blocks[row] = blk
         self.num_cached_block[request_id] = 0
-        self.evicted[request_id] = ev + physical - target
+        self.evicted[request_id] = state.evicted + d.tokens_evicted
         self.num_compactions += 1
-        self.num_tokens_evicted += physical - target
-        self.num_blocks_freed += freeable
-        self.num_prefill_fallbacks += in_prefill
+        self.num_tokens_evicted += d.tokens_evicted
+        self.num_blocks_freed += d.blocks_freed
+        self.num_prefill_fallbacks += state.in_prefill
         self.pending.append(CompactionPlan(
             req_id=request_id, group_id=self.kv_cache_group_id,
-            src_block_ids=tuple(b.block_id for b in src),
-            dst_block_ids=tuple(b.block_id for b in blocks[:keep_blocks]),
-            old_len=physical, new_len=target, logical_len=logical,
-            recent=cfg.recent_tokens(target, logical)))
-
-    def _room_for_next_chunk(self, blocks: list, physical: int, remaining: int) -> bool:
-        """Can the pool hold this request's next prompt chunk (at most `remaining`
-        prompt tokens) and still give one block to every other request holding
-        blocks (a decode step's next block)? If not, the prompt is compacted
-        between chunks instead (counted: vllm_kvevict_prefill_fallbacks_total)."""
-        chunk = min(remaining, self.chunk_tokens or remaining)
-        need = cdiv(physical + chunk, self.block_size) - len(blocks)
-        others = len(self.req_to_blocks) - 1
-        return need + others <= self.block_pool.get_num_free_blocks()
+            src_block_ids=d.src_block_ids,
+            dst_block_ids=d.dst_block_ids([b.block_id for b in fresh]),
+            old_len=d.old_len, new_len=d.new_len, logical_len=state.logical,
+            recent=cfg.recent_tokens(d.new_len, state.logical)))
 
     def write_metrics(self) -> None:
         """Cumulative counters and resident tokens for /metrics (integration/metrics.py).
