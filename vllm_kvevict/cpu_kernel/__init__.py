@@ -3,8 +3,9 @@
     python -m vllm_kvevict.cpu_kernel build    (scripts/setup.sh runs this)
     python -m vllm_kvevict.cpu_kernel info     (which path this machine runs)
 
-`column_sums.cpp` is built with torch's C++ extension tooling and the system
-compiler into ``~/.cache/vllm_kvevict/cpu_kernel/<key>/`` (``key``: a hash of
+`column_sums.cpp` (with the headers it includes: `token_moves.h`, compaction's
+copies, and `window_projection.h`, AnDPro's window scores) is built with
+torch's C++ extension tooling and the system compiler into ``~/.cache/vllm_kvevict/cpu_kernel/<key>/`` (``key``: a hash of
 the source, the torch version and the Python version, so a changed source or
 torch is never loaded stale); a second build finds it there and does nothing.
 Serving never compiles: when no built kernel matches, the torch path runs and
@@ -31,7 +32,7 @@ import torch
 
 NAME = "vllm_kvevict_cpu_scores"
 SOURCE = Path(__file__).with_name("column_sums.cpp")
-HEADERS = [Path(__file__).with_name("token_moves.h")]  # included by SOURCE
+HEADERS = [Path(__file__).with_name(h) for h in ("token_moves.h", "window_projection.h")]  # included by SOURCE
 CFLAGS = ["-O3", "-std=c++17"]
 ISAS = ("amx", "avx512bf16", "avx2")  # best first
 
@@ -149,3 +150,18 @@ def window_column_sums(q: torch.Tensor, k: torch.Tensor, scale: float, path_isa:
                                visible.contiguous(), float(scale),
                                [16, d, 0, 0, d, 0, 1], path_isa)  # plain [16][D] blocks
     return out.view(b, h, n16)[..., :n]
+
+
+def window_projection_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                           path_isa: str) -> torch.Tensor:
+    """AnDPro's raw window scores from dense tensors: (B, w, H_q, D), (B, H, n, D)
+    x2 -> (B, H, n) float32, s_i = sum_{g,t} a[t, i] <y_t, v_i> with y = A V
+    (as `core.scoring.window_scores.raw_scores_torch`, AnDPro's kind; causal on
+    the window's own last w columns). The bf16 paths (amx, avx512bf16) take bf16
+    q, k, v; avx2 takes any one of bf16 / fp16 / float32, mixed dtypes are
+    widened to float32 here. Precision per path: window_projection.h."""
+    if path_isa not in ("amx", "avx512bf16") and not (
+            q.dtype == k.dtype == v.dtype and q.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        q, k, v = (x.to(torch.float32) for x in (q, k, v))
+    return module().window_projection_sums(q.contiguous(), k.contiguous(), v.contiguous(),
+                                           float(scale), path_isa)

@@ -19,6 +19,9 @@
 //               float32, so the logits are float32-accurate
 //   avx2        any cache dtype widened to float32, FMA (float32 throughout)
 // Softmax, exp and the column sums are float32 on all three.
+//
+// AnDPro's window scores (A V and its projections) live in window_projection.h,
+// included near the end of this file; compaction's copies in token_moves.h.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -31,6 +34,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "token_moves.h"
@@ -616,6 +620,9 @@ void add_column_sums(at::Tensor scores, const at::Tensor& key_cache, const at::T
   column_sums_impl(key_cache, block_rows, queries, visible, scale, tiles, isa, scores);
 }
 
+// AnDPro's window scores: reuses the helpers above, so included here.
+#include "window_projection.h"
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -626,5 +633,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "move tokens (and their scores) between slots of the paged CPU cache, any layout");
   m.def("copy_blocks", &token_moves::copy_blocks, "copy whole blocks of the paged CPU cache, as packed");
   m.def("copy_rows", &token_moves::copy_rows, "dst[cells[i]] = src[i], one memcpy per row");
+  m.def("window_projection_sums", &window_projection_sums,
+        "AnDPro's window scores: sum over the window of a[t, i] * <y_t, v_i>, y = A V");
   m.def("supports", &supports, "whether this CPU runs the named path (avx512bf16 | avx2)");
 }

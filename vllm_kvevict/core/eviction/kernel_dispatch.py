@@ -102,6 +102,32 @@ def cpu_kernel_isa(queries: torch.Tensor, keys: torch.Tensor, layout=None) -> st
     return isa if isa is None or cpu_kernel.module().supports(isa) else None
 
 
+def cpu_projection_isa(queries: torch.Tensor, keys: torch.Tensor,
+                       values: torch.Tensor) -> str | None:
+    """The compiled CPU kernel's path for AnDPro's window scores of dense
+    (B, w, H_q, D) queries and (B, H, n, D) keys and values
+    (`cpu_kernel.window_projection_sums(queries, keys, values, scale, isa)`),
+    or None: `window_scores.raw_scores_torch` runs.
+
+    The kernel takes head sizes that are multiples of 16 and n >= w. By
+    default only its amx path runs (AMX CPU, bf16 data, head size 32 or 64):
+    it is 3-4x faster than torch float32 at the demo's shapes, where the
+    avx512bf16 and avx2 paths are slower than torch's AVX-512 float32 GEMMs on
+    an AVX-512 CPU (benchmarks/window_scores_cpu.py). VLLM_KVEVICT_CPU_ISA
+    set to a path runs that path wherever the kernel can (tests force each)."""
+    d = queries.shape[-1]
+    if (values.shape != keys.shape or values.device != keys.device or d % 16
+            or keys.shape[2] < queries.shape[1]):
+        return None
+    isa = cpu_kernel_isa(queries, keys)
+    if isa is None:
+        return None
+    if isa in ("amx", "avx512bf16") and values.dtype != torch.bfloat16:
+        isa = "avx2"
+    forced = os.environ.get("VLLM_KVEVICT_CPU_ISA", "auto").strip().lower() != "auto"
+    return isa if forced or (isa == "amx" and d in (32, 64)) else None
+
+
 def cpu_token_mover(layout, cache: torch.Tensor):
     """The compiled CPU kernel's module when it moves tokens of `cache` (the
     CPU backend's paged cache, `KVLayout`, bf16/fp16/fp32), else None (torch)."""
