@@ -13,7 +13,9 @@ return to the pool when those finish.
 
 Nothing writes a shared block: its tokens are already computed, the request's
 new tokens go to its own blocks, and eviction copies a kept shared block to a
-private one first (spec.EvictableAttentionManager.remove_skipped_blocks).
+private one first (core/eviction/blocks.py decides, spec.py applies). Which
+blocks are pinned and which an importer gets are decided there too
+(module_pin_blocks, module_imports, trim_hit); this file applies them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm.v1.request import RequestStatus
+
+from vllm_kvevict.core.eviction.blocks import module_imports, module_pin_blocks, trim_hit
 
 LAYOUT_KEY = "kvevict_layout"  # SamplingParams.extra_args key, set by prompt_modules
 
@@ -92,11 +96,11 @@ class ModuleStore:
         if not key or key in self.entries or request.status not in (
                 RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return  # aborted encodes pin nothing; a re-encode keeps the first copy
-        n = min(request.num_computed_tokens, request.num_prompt_tokens)
         groups = []
         for m in self._groups:
-            blocks = m.req_to_blocks.get(request.request_id, [])[: n // m.block_size]
-            groups.append(list(blocks))
+            keep = module_pin_blocks(request.num_computed_tokens, request.num_prompt_tokens,
+                                     m.block_size)
+            groups.append(list(m.req_to_blocks.get(request.request_id, [])[:keep]))
         if not groups or not groups[0]:
             return
         n = len(groups[0]) * self._groups[0].block_size
@@ -114,23 +118,15 @@ class ModuleStore:
         imports = layout and layout.get("imports")
         if not imports or len(self._groups) != 1:
             return None
-        out, n = [], 0
-        ids, pos = request.prompt_token_ids, layout["positions"]
         bs = self._groups[0].block_size
-        for key, count in imports:
-            entry = self.entries.get(key)
-            if (entry is None or count % bs or count > len(entry.tokens)
-                    or tuple(ids[n:n + count]) != entry.tokens[:count]
-                    or tuple(pos[n:n + count]) != entry.positions[:count]):
-                break  # removed meanwhile, or not ours: compute the rest
-            out += entry.blocks[0][: count // bs]
-            n += count
-        else:
+        entries = {k: (e.tokens, e.positions) for k, e in self.entries.items()}
+        taken, n, whole = module_imports(imports, request.prompt_token_ids,
+                                         layout["positions"], entries, bs)
+        out = [b for key, count in taken for b in self.entries[key].blocks[0][:count]]
+        if whole:  # every import found: vLLM's prefix cache may extend the hit
             n, out = self._private_hits(request, n, out)
-        if n >= request.num_tokens:  # vLLM must compute at least the last token
-            n -= bs
-            out = out[: n // bs]
-        return ((out,), n) if n > 0 else None
+        n = trim_hit(n, request.num_tokens, bs)
+        return ((out[: n // bs],), n) if n > 0 else None
 
     def _private_hits(self, request, n: int, out: list) -> tuple[int, list]:
         """Extend a complete module hit with vLLM's own prefix cache: the
