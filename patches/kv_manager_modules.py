@@ -8,7 +8,9 @@ HOW: get_computed_blocks: for a request whose layout imports modules, return
      the pinned blocks (and the tokens they hold) instead of a prefix-cache
      lookup; vLLM then adopts them exactly like prefix hits (touch, ref_cnt,
      free). free: before vLLM frees a finished module-encode request, the
-     store takes a reference on its full blocks (integration/module_store.py).
+     store takes a reference on its full blocks (integration/module_store.py;
+     which blocks are pinned and which an importer gets is decided in
+     core/eviction/blocks.py, tested with plain data).
 UPSTREAM: a KV-manager hook "computed blocks for this request" (KV connectors
      get one for external tokens, not for local blocks), and a pin API on
      BlockPool.

@@ -2,7 +2,9 @@
 
 A request has a logical length L (RoPE positions keep growing) and a physical
 length P <= L (KV entries resident). The scheduler owns this rule and the worker
-just executes its plans, so both sides agree by construction.
+just executes its plans, so both sides agree by construction. Which blocks a
+compaction then frees, copies or takes out of the prefix cache is decided in
+blocks.py (compaction_point calls this with the pool's prefill room).
 
     decode:        compact when P >= budget + block_size, back down to budget.
                    Compaction then runs once per block of new tokens, and a

@@ -20,7 +20,8 @@ class CompactionPlan:
     blocks of `src_block_ids`) in slots [0, new_len) of `dst_block_ids`, in any
     slot order (compaction.fill_holes). dst == src except where a kept block was
     shared or prefix cached: the scheduler then gave the request a private block
-    (copy-on-write: copied whole from its source, then written). After the plan
+    (copy-on-write: copied whole from its source, then written; blocks.py's
+    BlockDecision decides which, and builds src and dst). After the plan
     the request's block row is exactly `dst_block_ids`, followed by whatever
     this step allocates.
     `new_len` and `recent` come from the request's own budget (per-request
