@@ -91,6 +91,7 @@ RANDOM_SHAPES = [  # (b, w, h, g, d, n): GQA 1-7, head sizes 32-128 (amx takes 3
     (1, 5, 2, 2, 48, 33),
     (1, 32, 2, 3, 96, 150),
     (3, 1, 1, 2, 64, 1),
+    (1, 32, 1, 3, 64, 100),  # one (b, h): its 6 row blocks split over tasks, summed
 ]
 
 
@@ -141,6 +142,22 @@ def test_real_looking_shapes_and_kept_sets(isa, n):
                 ref = set(sel_want[layer, head].topk(budget).indices.tolist())
                 overlap = len(kept & ref) / budget
                 assert overlap >= _overlap_floor(budget), (dtype, layer, head, overlap)
+
+
+@pytest.mark.parametrize("isa", _isas())
+def test_threads_give_the_same_scores(isa):
+    """Two threads (tasks split over them, a (b, h)'s row blocks too) against one."""
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = _inputs(1, 32, 2, 7, 64, 500, torch.bfloat16, gen, real=True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernel.window_projection_sums(q, k, v, 0.125, isa)
+        torch.set_num_threads(2)
+        two = cpu_kernel.window_projection_sums(q, k, v, 0.125, isa)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(two, one, rtol=1e-5, atol=1e-6 * float(one.abs().max()))
 
 
 def test_the_dispatcher_says_where_the_kernel_runs(monkeypatch):

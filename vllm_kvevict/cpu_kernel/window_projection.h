@@ -47,7 +47,7 @@
 
 struct ProjTask {
   const uint16_t *q, *k, *v;  // bf16 bits: (B, w, H_q, D), (B, H, n, D) x2, contiguous
-  int64_t b, w, hq, h, g, n, d;
+  int64_t w, hq, h, g, n, d;
   float scale;
 };
 
@@ -198,12 +198,6 @@ inline void scale_rows_512(float* y, const float* f, int64_t nb, int64_t d) {
   }
 }
 
-// Hints the lines of bytes [from, to) of p into the cache (the next task's keys
-// and values, fetched while this task computes).
-inline void prefetch_range(const void* p, int64_t from, int64_t to) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t o = from; o < to; o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
-}
 
 // col[i] += sum_{j < nb} a[j * lda + i] * z[j * ldz + i], i in [0, m), m a multiple of 16.
 inline void add_products_512(const float* a, int64_t lda, const float* z, int64_t ldz, int64_t nb,
@@ -378,15 +372,8 @@ void proj_amx(const ProjTask& p, int64_t bh, int64_t split, int64_t splits, floa
   pack_value_pairs(p.v + bh * p.n * d, p.n, b.n32, d, b.vpairs.data());
   int64_t vis[PROJ_ROWS];
   float inv[PROJ_ROWS];
-  const int64_t bytes = p.n * d * 2, blocks = (rows + PROJ_ROWS - 1) / PROJ_ROWS;
-  const bool ahead = bh + 1 < p.b * p.h;  // prefetch the next (b, h)'s k and v
   amx_configure();
   for (int64_t r0 = split * PROJ_ROWS; r0 < rows; r0 += splits * PROJ_ROWS) {
-    if (ahead) {
-      const int64_t ib = r0 / PROJ_ROWS, from = bytes * ib / blocks, to = bytes * (ib + 1) / blocks;
-      prefetch_range(p.k + (bh + 1) * p.n * d, from, to);
-      prefetch_range(p.v + (bh + 1) * p.n * d, from, to);
-    }
     const int64_t nb = std::min(PROJ_ROWS, rows - r0);
     load_block(p, bb, h, r0, nb, b, vis);
     const int64_t bhi = vis[nb - 1], nc = (bhi + 15) / 16, e32 = round_up(bhi, 32);
@@ -582,7 +569,7 @@ at::Tensor window_projection_sums(const at::Tensor& q, const at::Tensor& k, cons
   at::Tensor out = at::zeros({splits, pairs, n}, at::TensorOptions().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   const int64_t ncol = round_up(n, 32);
-  ProjTask pb{nullptr, nullptr, nullptr, bsz, w, hq, h, g, n, d, static_cast<float>(scale)};
+  ProjTask pb{nullptr, nullptr, nullptr, w, hq, h, g, n, d, static_cast<float>(scale)};
   ProjTaskF pf{q.data_ptr(), k.data_ptr(), v.data_ptr(), w, hq, h, g, n, d, static_cast<float>(scale)};
   if (bf16) {
     pb.q = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
