@@ -117,16 +117,18 @@ def decide_blocks(blocks: Sequence[Block], physical: int, target: int, block_siz
     shared = [i for i, b in enumerate(kept) if b.shared]
     cached = [i for i, b in enumerate(kept) if not b.shared and b.cached]
     if cached and len(shared) + len(cached) <= num_free:
-        shared, cached = sorted(shared + cached), []
-    if len(shared) > num_free:
+        copies, uncache = sorted(shared + cached), []  # the cached originals stay unwritten
+    else:
+        copies, uncache = shared, cached  # compacted in place: out of the prefix cache
+    if len(copies) > num_free:
         return None  # no room for private copies yet
     return BlockDecision(
         old_len=physical, new_len=target,
         src_block_ids=tuple(b.block_id for b in src), keep=keep,
-        copy_rows=tuple(shared),
+        copy_rows=tuple(copies),
         free_ids=tuple(b.block_id for b in reversed(tail)),
-        uncache_ids=tuple(kept[i].block_id for i in cached),
-        release_ids=tuple(kept[i].block_id for i in shared),
+        uncache_ids=tuple(kept[i].block_id for i in uncache),
+        release_ids=tuple(kept[i].block_id for i in copies),
         blocks_freed=sum(not b.shared for b in tail))
 
 
