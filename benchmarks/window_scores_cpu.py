@@ -9,7 +9,8 @@ torch path widens them itself), n resident tokens. One core:
     taskset -c 1 .venv/bin/python benchmarks/window_scores_cpu.py [--n 272 1040] [--reps 20]
 
 Each cell: the median of --reps calls after one warm-up, ms (x torch: torch's
-ms / the kernel's); paths the CPU lacks are left out. torch.set_num_threads(1).
+ms / the kernel's), torch and each path taking turns in every repetition;
+paths the CPU lacks are left out. torch.set_num_threads(1).
 """
 from __future__ import annotations
 
@@ -26,14 +27,18 @@ import torch
 B, H, G, D, W = 30, 3, 3, 64, 32
 
 
-def median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def median_ms(fns: dict, reps: int) -> dict:
+    """Median ms per call of each function, the functions taking turns in every
+    repetition (a busy machine slows them alike)."""
+    for fn in fns.values():
         fn()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(1e3 * (time.perf_counter() - t0))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def torch_scores(kind: str):
@@ -70,12 +75,12 @@ def main(argv=None) -> int:
         v = torch.randn(B, H, n, D, generator=gen).bfloat16()
         for kind in ("andpro", "snapkv"):
             ref = torch_scores(kind)
-            t_torch = median_ms(lambda: ref(q, k, v, D ** -0.5), args.reps)
-            cells = []
+            fns = {"torch": lambda: ref(q, k, v, D ** -0.5)}
             for isa in paths:
-                t = median_ms(lambda: kernels[kind](q, k, v, D ** -0.5, isa), args.reps)
-                cells.append(f"{t:.2f} ({t_torch / t:.1f}x)")
-            lines.append(f"| {kind} | {n} | {t_torch:.2f} | " + " | ".join(cells) + " |")
+                fns[isa] = lambda isa=isa: kernels[kind](q, k, v, D ** -0.5, isa)
+            ms = median_ms(fns, args.reps)
+            cells = [f"{ms[isa]:.2f} ({ms['torch'] / ms[isa]:.1f}x)" for isa in paths]
+            lines.append(f"| {kind} | {n} | {ms['torch']:.2f} | " + " | ".join(cells) + " |")
             print(lines[-1], file=sys.stderr, flush=True)
     head = [f"command: `{' '.join(['taskset -c ' + ','.join(map(str, sorted(os.sched_getaffinity(0)))), os.path.relpath(sys.executable)] + sys.argv)}`  ",
             f"CPU: {platform.processor() or platform.machine()}, flags `{cpu_kernel.cpu_flags()}`; "
