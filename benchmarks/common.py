@@ -7,7 +7,7 @@ benchmarks/X.py` puts this folder on sys.path), never from a sibling script.
 
 The timers reach into the plugin's internals on purpose: the breakdown is per
 function, and the functions that do the work (`WorkerEviction._compact`,
-`_window_scores`, the backend's `score_step`) have no public seam that times
+`_compaction_scores`, the backend's `score_step`) have no public seam that times
 them exclusively. They are all named in `PER_STEP` below, so a rename in the
 plugin fails here, at install time, naming the entry.
 """
@@ -145,7 +145,7 @@ PER_STEP = (
     ("vllm_kvevict.integration.cpu_backend", "", "score_step", "scoring"),  # by the Impl's forward
     ("vllm_kvevict.core.scoring.decode_log", "DecodeQueryLog", "flush", "scoring"),
     ("vllm_kvevict.core.scoring.chunk_log", "ChunkLog", "flush", "scoring"),
-    ("vllm_kvevict.integration.worker", "WorkerEviction", "_window_scores", "scoring"),
+    ("vllm_kvevict.integration.worker", "WorkerEviction", "_compaction_scores", "scoring"),
     ("vllm_kvevict.integration.worker", "WorkerEviction", "_compact", "compaction"),
     ("vllm_kvevict.integration.worker", "WorkerEviction", "begin_step", "bookkeeping"),
     ("vllm_kvevict.integration.worker", "WorkerEviction", "place_queries", "bookkeeping"),

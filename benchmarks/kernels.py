@@ -120,13 +120,14 @@ def row_window(k, cfg, kind, dtype, device, reps):
     kk = torch.randn(b, h, n, d, device=device, dtype=dtype)
     vv = torch.randn(b, h, n, d, device=device, dtype=dtype)
     f = k["window"].window_raw_scores
-    ref = raw_scores_torch(kind, q.cpu().float(), kk.cpu().float(), vv.cpu().float(), d ** -0.5)
-    got = f(kind, q, kk, vv, d ** -0.5).cpu()
+    proj = kind == "andpro"  # the value projection (AnDPro), else attention sums (SnapKV)
+    ref = raw_scores_torch(q.cpu().float(), kk.cpu().float(), vv.cpu().float(), d ** -0.5, proj)
+    got = f(q, kk, vv, d ** -0.5, projection=proj).cpu()
     err = float(((got - ref).abs() / ref.abs().amax(-1, keepdim=True)).max())  # relative to row max
-    tensors = 2 if kind == "andpro" else 1
+    tensors = 2 if proj else 1
     byts = 2 * tensors * b * h * n * d * kk.element_size()
-    t = bench(lambda: f(kind, q, kk, vv, d ** -0.5), device, reps)
-    t_ref = bench(lambda: raw_scores_torch(kind, q, kk, vv, d ** -0.5), device, reps)
+    t = bench(lambda: f(q, kk, vv, d ** -0.5, projection=proj), device, reps)
+    t_ref = bench(lambda: raw_scores_torch(q, kk, vv, d ** -0.5, proj), device, reps)
     return [(f"window scores ({kind})", f"rows={b} n={n} H={h} G={g} D={d} w={w}", t, t_ref,
              byts, err)]
 

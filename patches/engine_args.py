@@ -47,7 +47,7 @@ from . import mark_patched
 
 def _ours(cfg: EvictionConfig) -> str:
     """Our flags that turned eviction (and offload) on, as the user would write them."""
-    return f"--kv-eviction {cfg.policy}" + (" --kv-swap-space" if cfg.swap_space else "")
+    return cfg.as_flags()  # `--kv-eviction infinigen`, not the streaming policy it runs
 
 
 def refuse_unsupported(cfg: EvictionConfig, *, speculative: str | None, pipeline: int,

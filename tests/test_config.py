@@ -102,6 +102,32 @@ def test_offload_settings():
     assert "kv_swap_space" not in EvictionConfig.from_dict({"kv_eviction": "h2o"}).to_dict()
 
 
+def test_offload_is_a_mode_and_infinigen_spells_out_streaming_with_it():
+    """--kv-offload turns offload on under any policy; --kv-eviction infinigen
+    is streaming with it on, names itself so on /metrics and in messages, and
+    round-trips through the canonical form."""
+    ig = EvictionConfig.from_dict({"kv_eviction": "InfiniGen", "kv_sink": 2})
+    explicit = EvictionConfig.from_dict({"kv_eviction": "streaming", "kv_offload": "on",
+                                         "kv_sink": 2})
+    assert ig == explicit and (ig.policy, ig.offload, ig.label) == ("streaming", True, "infinigen")
+    assert ig.to_dict()["kv_eviction"] == "infinigen" and ig.to_dict()["kv_offload"] is True
+    assert EvictionConfig.from_dict(ig.to_dict()).to_dict() == ig.to_dict()
+    assert ig.as_flags() == "--kv-eviction infinigen"
+    snap = EvictionConfig.from_dict({"kv_eviction": "snapkv", "kv_offload": True})
+    assert snap.offload and snap.label == "snapkv" and snap.swap_bytes == 4 << 30
+    assert snap.as_flags() == "--kv-eviction snapkv --kv-offload on"
+    assert EvictionConfig.from_dict(snap.to_dict()).to_dict() == snap.to_dict()
+    swap = EvictionConfig.from_dict({"kv_eviction": "streaming", "kv_swap_space": "1g"})
+    assert swap.offload and swap.label == "streaming"  # as the user wrote it
+    assert not EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_offload": "off"}).offload
+    with pytest.raises(EvictionConfigError, match="--kv-offload.*contradicts --kv-eviction"):
+        EvictionConfig.from_dict({"kv_eviction": "infinigen", "kv_offload": False})
+    with pytest.raises(EvictionConfigError, match="--kv-offload.*needs an eviction policy"):
+        EvictionConfig.from_dict({"kv_offload": "on"})
+    with pytest.raises(EvictionConfigError, match="--kv-offload.*must be on or off"):
+        EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_offload": "maybe"})
+
+
 @pytest.mark.parametrize("value, size", [
     ("4", 4 << 30), (4, 4 << 30), ("0.25", 256 << 20), (0.25, 256 << 20), (" 2 ", 2 << 30),
     ("512MiB", 512 << 20), ("8GiB", 8 << 30), ("8g", 8 << 30), ("1073741824B", 1 << 30),

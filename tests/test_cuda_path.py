@@ -21,6 +21,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
 from vllm_kvevict.core.config.settings import EvictionConfig, EvictionConfigError
 from vllm_kvevict.core.layouts.nhd_layout import NHDLayout
+from vllm_kvevict.core.policies import POLICIES
 from vllm_kvevict.integration import worker
 from vllm_kvevict.integration.attention_common import physical_view
 from vllm_kvevict.integration.backend_select import (
@@ -392,7 +393,8 @@ def compact_once(path, policy, dst_blocks, monkeypatch):
     make_layout = NHDLayout.for_cache
     for i in range(2):
         lc = state.layer(f"l{i}", raw[i * nb:(i + 1) * nb].permute(0, 2, 1, 3), make_layout)
-        assert lc.scores.numel() == (0 if policy == "snapkv" else HKV * nb * BS)  # h2o's only
+        per_slot = POLICIES[policy].records.per_slot  # a score buffer: h2o's only
+        assert lc.scores.numel() == (HKV * nb * BS if per_slot else 0)
         lc.scores.copy_(torch.rand(lc.scores.shape, generator=g))
     state.runner = SimpleNamespace(requests={"a": SimpleNamespace(block_ids=[[3, 7, 1]])},
                                    input_batch=SimpleNamespace(req_id_to_index={}))
@@ -407,7 +409,7 @@ def compact_once(path, policy, dst_blocks, monkeypatch):
         slots = (dst[:, None] * BS + torch.arange(BS)).flatten()[order[i]]  # (H, 20)
         heads = torch.arange(HKV)[:, None]
         kv.append(raw[i * nb:(i + 1) * nb].flatten(0, 1)[slots, heads])  # (H, 20, 2D)
-        if policy == "h2o":
+        if POLICIES[policy].records.per_slot:
             scores.append(state.layers[f"l{i}"].scores.gather(1, slots))
     others = [b for b in range(nb) if b not in dst_blocks]
     rest = torch.cat([raw[i * nb:(i + 1) * nb][others] for i in range(2)])
@@ -415,7 +417,7 @@ def compact_once(path, policy, dst_blocks, monkeypatch):
             recorder.kept["a"].positions)
 
 
-@pytest.mark.parametrize("policy", ["h2o", "snapkv"])
+@pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("dst_blocks", [(3, 7), (3, 10)])  # in place; private copy of block 7
 def test_worker_compaction_triton_equals_torch(policy, dst_blocks, monkeypatch):
     kv_t, scores_t, rest_t, kept_t = compact_once("torch", policy, dst_blocks, monkeypatch)
@@ -423,5 +425,5 @@ def test_worker_compaction_triton_equals_torch(policy, dst_blocks, monkeypatch):
     assert torch.equal(kept_t, kept_k)
     assert torch.equal(kv_t, kv_k)  # the same tokens, oldest first
     assert torch.equal(rest_t, rest_k)  # blocks that are no destination: untouched by both
-    if policy == "h2o":  # scores moved with their tokens
+    if POLICIES[policy].records.per_slot:  # scores moved with their tokens
         assert torch.equal(scores_t, scores_k)

@@ -22,8 +22,12 @@ from conftest import (
 from kept_positions import KeptRecorder
 
 from vllm_kvevict.core.eviction.planner import max_blocks_per_request
+from vllm_kvevict.core.policies import POLICIES, Record
 
 H2O = engine_settings("h2o")
+# Every registered policy, and those that record something every step.
+RECORDING = [name for name, p in POLICIES.items() if p.records is not Record.NOTHING]
+WINDOWED = [name for name, p in POLICIES.items() if p.records is Record.QUERIES]
 
 
 def greedy(max_tokens, budget=None, **kw):
@@ -41,7 +45,7 @@ def totals(probe) -> tuple[int, int]:
             sum(m.num_compactions for m in managers))
 
 
-@pytest.mark.parametrize("policy", ["h2o", "snapkv", "andpro"])
+@pytest.mark.parametrize("policy", RECORDING)
 def test_budget_above_length_is_token_identical_to_stock(engines, model_path, policy):
     """Budget >= sequence length: no eviction, and the plugin's path (own KV write,
     scoring) must not change a single token versus vLLM without the plugin
@@ -57,7 +61,7 @@ def test_budget_above_length_is_token_identical_to_stock(engines, model_path, po
     assert ours == stock_ids(model_path, DTYPE), policy
 
 
-@pytest.mark.parametrize("policy", ["h2o", "snapkv", "andpro", "streaming"])
+@pytest.mark.parametrize("policy", list(POLICIES))
 def test_scoring_every_step_without_eviction_is_token_identical_to_stock(
         engines, model_path, policy, monkeypatch):
     """The test above proves the write and attention path only: its requests can
@@ -95,10 +99,11 @@ def test_scoring_every_step_without_eviction_is_token_identical_to_stock(
     before = totals(probe)
     ours = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert totals(probe) == before  # nothing evicted
-    if policy == "h2o":
+    records = POLICIES[policy].records
+    if records is Record.ATTENTION:
         assert sum(float(lc.scores.abs().sum()) for lc in state.layers.values()) > 0
         assert seen["kernel"] > 0 or cpu_kernel.isa() is None
-    if policy in ("snapkv", "andpro"):  # every token's query, in every layer
+    if records is Record.QUERIES:  # every token's query, in every layer
         assert seen["window"] >= len(state.layers) * len(PROMPTS) * STOCK_TOKENS
     assert ours == stock_ids(model_path, DTYPE), policy
 
@@ -282,7 +287,7 @@ def test_bad_settings_stop_engine_startup(model_path):
         make_llm(model_path, additional_config={"kv_eviction": "andpro", "kv_window": "x"})
 
 
-@pytest.mark.parametrize("policy", ["snapkv", "andpro"])
+@pytest.mark.parametrize("policy", WINDOWED)
 def test_window_policies_bound_blocks_and_free_everything(engines, policy):
     """A 700-token prompt in 256-token chunks, compacted between chunks
     (kv_prefill_cap 0: the path a short pool takes), and 200 decode tokens at

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from vllm_kvevict.core.config.settings import EvictionConfig
+from vllm_kvevict.core.config.settings import EvictionConfig, EvictionConfigError
 from vllm_kvevict.core.eviction.planner import compaction_target
-from vllm_kvevict.core.policies import H2OPolicy, StreamingPolicy
+from vllm_kvevict.core.policies import POLICIES, DenseContext, H2OPolicy, StreamingPolicy, make_policy
 
 
 def test_h2o_keeps_recent_window_plus_heaviest_per_head():
@@ -80,15 +80,50 @@ def test_never_compacts_only_when_the_whole_request_fits_a_token_budget():
 
 def test_each_policy_declares_what_it_needs():
     """The plugin reads these declarations, not policy names (core/policies/)."""
+    from vllm_kvevict.core.config.flags import ALIASES
     from vllm_kvevict.core.config.settings import POLICIES as CHOICES
-    from vllm_kvevict.core.policies import POLICIES, make_policy
+    from vllm_kvevict.core.policies import POLICIES, Record, make_policy
 
-    assert CHOICES == ("none", *POLICIES)  # --kv-eviction offers every registered policy
-    declared = {name: (p.needs_scores, p.window)
-                for name in POLICIES for p in [make_policy(name, sink=2, window=16)]}
-    assert declared == {"h2o": (True, 0), "streaming": (False, 0), "snapkv": (False, 16),
-                        "andpro": (False, 16), "infinigen": (False, 0)}
-    assert make_policy("infinigen", sink=2).sink == 2  # sinks + recent stay resident
+    # --kv-eviction offers every registered policy, and the aliases (offload modes)
+    assert CHOICES == ("none", *POLICIES, *ALIASES)
+    assert "infinigen" not in POLICIES and ALIASES["infinigen"] == ("streaming", True)
+    declared = {name: POLICIES[name].records for name in POLICIES}
+    assert declared == {"h2o": Record.ATTENTION, "streaming": Record.NOTHING,
+                        "snapkv": Record.QUERIES, "andpro": Record.QUERIES}
+    assert make_policy("streaming", sink=2).sink == 2  # sinks + recent stay resident
+    assert make_policy("snapkv", window=16).window == 16
     assert [POLICIES[n].default_recent(256, 32) for n in ("h2o", "snapkv")] == [128, 32]
     with pytest.raises(ValueError, match="no eviction policy named 'lru'"):
         make_policy("lru")
+    with pytest.raises(ValueError, match="no eviction policy named 'infinigen'"):
+        make_policy("infinigen")  # a mode, parsed by the config (flags.ALIASES)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_every_policy_keeps_recent_and_keep_tokens_from_its_own_scores(name):
+    """Each registered policy through the interface the worker calls: its
+    compaction scores over a dense context (whatever it reads), then select.
+    Every head keeps `keep` ascending indices ending with the recent window."""
+    policy = make_policy(name, sink=2, window=8)
+    g = torch.Generator().manual_seed(5)
+    layers, h, hq, n, d, keep, recent = 2, 3, 6, 60, 16, 24, 8
+    k, v = torch.randn(layers, h, n, d, generator=g), torch.randn(layers, h, n, d, generator=g)
+    ctx = DenseContext(k, v, accumulated=torch.rand(layers, h, n, generator=g),
+                       window=(torch.randn(layers, 8, hq, d, generator=g), d ** -0.5),
+                       new_len=keep, recent=recent)
+    scores = policy.compaction_scores(ctx)
+    assert scores.shape == (layers, h, n)
+    kept = policy.select(scores.reshape(layers * h, n), keep, recent)
+    assert kept.shape == (layers * h, keep)
+    assert (kept.diff(dim=1) > 0).all() and (kept[:, -recent:] == torch.arange(n - recent, n)).all()
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_every_policy_checks_its_settings_and_names_the_flag(name):
+    """A policy's own setting rules run through the config, whose error names
+    the flag; settings every policy accepts pass."""
+    EvictionConfig.from_dict({"kv_eviction": name, "kv_budget": 64, "kv_sink": 4,
+                              "kv_window": 16})
+    if name == "streaming":
+        with pytest.raises(EvictionConfigError, match=r"--kv-sink \(additional_config"):
+            EvictionConfig.from_dict({"kv_eviction": name, "kv_budget": 4, "kv_sink": 4})

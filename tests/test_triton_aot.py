@@ -146,7 +146,7 @@ def cases(dtype: str, shapes=SHAPES) -> list[dict]:
                 {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "out_ptr": "fp32",
                  "scale": "fp32", "N": "i32", "W": "i32"},
                 {"G": g, "D": d, "D_PAD": d_pad, "ROWS": window.ROWS,
-                 "BLOCK_N": window.BLOCK_N, "ANDPRO": kind == "andpro"})
+                 "BLOCK_N": window.BLOCK_N, "PROJECTION": kind == "andpro"})
         # partial_attention.partial_attention: InfiniGen's 30 % of the channels.
         c = max(1, round(0.3 * d))
         add("partial_attention", "partial_attention_kernel", f"{shape}-C{c}",

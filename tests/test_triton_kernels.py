@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vllm_kvevict.core.layouts.nhd_layout import NHDLayout
+from vllm_kvevict.core.policies import POLICIES, Record, make_policy
 from vllm_kvevict.core.scoring.window_scores import raw_scores_torch
 
 D = 32
@@ -101,19 +102,19 @@ def test_paged_attention_without_scores_and_bad_input(tk):
 
 # ----------------------------------------------------------------- window scores
 
-@pytest.mark.parametrize("kind", ["snapkv", "andpro"])
+@pytest.mark.parametrize("projection", [False, True], ids=["attention", "projection"])
 @pytest.mark.parametrize("gqa,w,n,dtype", [(1, 1, 1, torch.float32), (3, 8, 50, torch.float32),
                                            (7, 32, 130, torch.float32),
                                            (3, 32, 32, torch.float32), (3, 8, 70, torch.float16)])
-def test_window_scores_match_torch_path(tk, kind, gqa, w, n, dtype):
+def test_window_scores_match_torch_path(tk, projection, gqa, w, n, dtype):
     g = torch.Generator().manual_seed(2)
     h = 2
     q = torch.randn(2, w, h * gqa, D, generator=g).to(dtype)
     # Strided k/v: the first n tokens of a longer gathered buffer, as the worker passes them.
     k = torch.randn(2, h, n + 7, D, generator=g).to(dtype)[:, :, :n]
     v = torch.randn(2, h, n + 7, D, generator=g).to(dtype)[:, :, :n]
-    got = tk.window.window_raw_scores(kind, q, k, v, 0.25)
-    want = raw_scores_torch(kind, q.float(), k.float(), v.float(), 0.25)
+    got = tk.window.window_raw_scores(q, k, v, 0.25, projection=projection)
+    want = raw_scores_torch(q.float(), k.float(), v.float(), 0.25, projection)
     tol = 1e-4 if dtype == torch.float32 else 5e-3
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
@@ -121,9 +122,9 @@ def test_window_scores_match_torch_path(tk, kind, gqa, w, n, dtype):
 def test_window_scores_reject_bad_input(tk):
     q, k = torch.randn(1, 8, 2, D), torch.randn(1, 2, 4, D)
     with pytest.raises(ValueError, match="window 8"):
-        tk.window.window_raw_scores("snapkv", q, k, k, 0.1)
-    with pytest.raises(ValueError, match="unknown"):
-        tk.window.window_raw_scores("h2o", q, k, k, 0.1)
+        tk.window.window_raw_scores(q, k, k, 0.1)
+    with pytest.raises(ValueError, match="projection must be a bool"):
+        tk.window.window_raw_scores(q, k, k, 0.1, projection="andpro")
 
 
 # ----------------------------------------------------------------- compaction
@@ -229,18 +230,19 @@ def test_dispatch_is_one_switch(monkeypatch):
         kernels.use_triton(x)
 
 
-def test_window_policy_scores_through_the_kernel_when_chosen(tk, monkeypatch):
-    from vllm_kvevict.core.scoring.window_scores import window_scores
-
+@pytest.mark.parametrize("name", [n for n, p in POLICIES.items() if p.records is Record.QUERIES])
+def test_window_policy_scores_through_the_kernel_when_chosen(tk, monkeypatch, name):
+    policy = make_policy(name, window=8)
     g = torch.Generator().manual_seed(7)
     q, k, v = torch.randn(1, 8, 6, D, generator=g), *torch.randn(2, 1, 2, 40, D, generator=g)
-    want = window_scores("andpro", q, k, v, 0.2, recent=8)
+    monkeypatch.setenv("VLLM_KVEVICT_KERNELS", "torch")
+    want = policy.scores(q, k, v, 0.2, recent=8)
     calls = []
     kernel = tk.window.window_raw_scores
     monkeypatch.setattr(tk.window, "window_raw_scores",
                         lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     monkeypatch.setenv("VLLM_KVEVICT_KERNELS", "triton")
-    torch.testing.assert_close(window_scores("andpro", q, k, v, 0.2, recent=8), want,
+    torch.testing.assert_close(policy.scores(q, k, v, 0.2, recent=8), want,
                                rtol=1e-4, atol=1e-5)
     assert calls == [1]
 

@@ -5,12 +5,16 @@ import pytest
 import torch
 from window_reference import keep, selection_scores, token_scores
 
-from vllm_kvevict.core.policies import make_policy
+from vllm_kvevict.core.policies import POLICIES, WindowPolicy, make_policy
 from vllm_kvevict.core.scoring.query_window import QueryWindow
-from vllm_kvevict.core.scoring.window_scores import raw_scores, window_scores
+from vllm_kvevict.core.scoring.window_scores import attention_sums, value_projection
+
+# Every registered policy scored by an observation window (its raw scores and
+# the loop reference's `kind` share the policy's name).
+WINDOW_POLICIES = [n for n, p in POLICIES.items() if issubclass(p, WindowPolicy)]
 
 
-@pytest.mark.parametrize("kind", ["snapkv", "andpro"])
+@pytest.mark.parametrize("kind", WINDOW_POLICIES)
 @pytest.mark.parametrize("h,g,w,n", [(1, 1, 4, 9), (3, 3, 8, 45), (2, 7, 32, 70),
                                      (2, 3, 32, 32), (1, 2, 5, 6)])
 def test_batched_scores_equal_the_loop_reference(kind, h, g, w, n):
@@ -18,7 +22,7 @@ def test_batched_scores_equal_the_loop_reference(kind, h, g, w, n):
     b, d, scale = 2, 16, 0.25
     q = torch.randn(b, w, h * g, d)
     k, v = torch.randn(b, h, n, d), torch.randn(b, h, n, d)
-    got = window_scores(kind, q, k, v, scale)
+    got = make_policy(kind, window=w).scores(q, k, v, scale)
     assert got.shape == (b, h, n)
     for r in range(b):
         for head in range(h):
@@ -28,7 +32,7 @@ def test_batched_scores_equal_the_loop_reference(kind, h, g, w, n):
             torch.testing.assert_close(got[r, head].double(), want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["snapkv", "andpro"])
+@pytest.mark.parametrize("kind", WINDOW_POLICIES)
 def test_policy_keeps_window_first_token_and_the_reference_choice(kind):
     torch.manual_seed(1)
     h, g, w, n, budget, recent = 3, 3, 8, 60, 24, 12
@@ -55,8 +59,8 @@ def test_andpro_differs_from_snapkv_on_values_that_cancel():
     v[0, 0, :, 0] = 1.0  # everything points along e0 ...
     v[0, 0, 2, 0] = -1.0  # ... except token 2
     q = torch.zeros(1, 1, 1, d)
-    snap = raw_scores("snapkv", q, k, v, 1.0)[0, 0]
-    andp = raw_scores("andpro", q, k, v, 1.0)[0, 0]
+    snap = attention_sums(q, k, 1.0)[0, 0]
+    andp = value_projection(q, k, v, 1.0)[0, 0]
     assert torch.allclose(snap, torch.full((6,), 1 / 6))
     assert andp[2] < 0 < andp[1] and torch.allclose(andp[1], andp[3])
 

@@ -1,7 +1,7 @@
 """Launcher: SnapKV / AnDPro window scores (`jit/window.py`).
 
-Same contract as the torch path `vllm_kvevict.core.scoring.window_scores.raw_scores`, which
-is this kernel's reference.
+Same contract as the torch path `vllm_kvevict.core.scoring.window_scores.raw_scores_torch`,
+which is this kernel's reference.
 """
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ ROWS = 32  # window rows (query head x window query) per program
 BLOCK_N = 64  # resident tokens per tile
 
 
-def window_raw_scores(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+def window_raw_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      scale: float, projection: bool = False) -> torch.Tensor:
     """(B, W, H_q, D), (B, H, N, D) x2 -> (B, H, N) float32 raw window scores
-    (before pooling): snapkv sums the window's attention a[t, i] over the query
-    heads and queries; andpro sums a[t, i] * <y_t, v_i>. Query t sits at token
-    N - W + t and sees tokens <= it."""
-    expect(kind in ("snapkv", "andpro"), f"unknown window score {kind!r}")
+    (before pooling): the window's attention a[t, i] summed over the query
+    heads and queries (SnapKV); with `projection`, a[t, i] * <y_t, v_i> summed
+    (AnDPro; v is read only then). Query t sits at token N - W + t and sees
+    tokens <= it."""
+    expect(isinstance(projection, bool), f"projection must be a bool, got {projection!r}")
     float_tensor("q", q, 4)
     float_tensor("k", k, 4)
     float_tensor("v", v, 4)
@@ -43,6 +44,6 @@ def window_raw_scores(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1),
         G=g, D=d, D_PAD=max(16, triton.next_power_of_2(d)), ROWS=ROWS, BLOCK_N=BLOCK_N,
-        ANDPRO=kind == "andpro",
+        PROJECTION=projection,
     )
     return out

@@ -3,9 +3,10 @@
 One program per (row b, KV head h, block of ROWS window rows); a window row is
 a (query head g of h's group, window query t) pair, and query t sits at token
 position N - W + t (causal). Two passes over the resident tokens:
-  pass 1  online softmax statistics m, l of every row; AnDPro also y = P V;
-  pass 2  p = exp(s - m) / l again; snapkv adds sum_rows p to out[b, h, i],
-          andpro adds sum_rows p * <y_row, v_i>.
+  pass 1  online softmax statistics m, l of every row; with PROJECTION
+          (AnDPro) also y = P V;
+  pass 2  p = exp(s - m) / l again; adds sum_rows p to out[b, h, i] (SnapKV),
+          or with PROJECTION sum_rows p * <y_row, v_i>.
 Programs of one (b, h) add into the same output with atomics.
 """
 import triton
@@ -20,7 +21,7 @@ def window_scores_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh,  # out (B, H, N) float32, unit stride on N
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ANDPRO: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROJECTION: tl.constexpr,
 ):
     tl.static_assert(ROWS >= 16 and BLOCK_N >= 16 and D_PAD >= 16 and D_PAD >= D)
     b = tl.program_id(0)
@@ -49,7 +50,7 @@ def window_scores_kernel(
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        if ANDPRO:
+        if PROJECTION:
             v = tl.load(v_ptr + b * stride_vb + h * stride_vh + i[:, None] * stride_vn + d[None, :],
                         mask=imask[:, None] & dmask[None, :], other=0.0)
             y = y * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -64,7 +65,7 @@ def window_scores_kernel(
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         s = tl.where((i[None, :] <= qpos[:, None]) & imask[None, :], s, float("-inf"))
         p = tl.exp(s - m[:, None]) * inv[:, None]  # (ROWS, BLOCK_N), 0 for padding rows
-        if ANDPRO:
+        if PROJECTION:
             v = tl.load(v_ptr + b * stride_vb + h * stride_vh + i[:, None] * stride_vn + d[None, :],
                         mask=imask[:, None] & dmask[None, :], other=0.0)
             proj = tl.dot(y.to(v.dtype), tl.trans(v), input_precision="ieee")  # <y_row, v_i>

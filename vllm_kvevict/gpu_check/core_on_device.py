@@ -88,10 +88,11 @@ class Batch:
     def score(self, q, lens, starts):
         """Score one step's queries (sum(lens), H_q, D); request r's lens[r] new
         tokens are already written at physical positions starts[r]..."""
+        from vllm_kvevict.core.policies import Record
         from vllm_kvevict.core.scoring.scores import accumulate_scores
 
-        if not self.policy.needs_scores:
-            return
+        if self.policy.records is not Record.ATTENTION:
+            return  # the window's queries are kept by lockstep (window_q); nothing else
         side, dev = self.side, self.device
         qsl = torch.tensor([0] + lens).cumsum(0).int()
         seq = torch.tensor([s + n for s, n in zip(starts, lens)]).int()
@@ -102,40 +103,39 @@ class Batch:
                               decode=True, query_start_loc_cpu=qsl, seq_lens_cpu=seq)
 
     def selection_scores(self, r: int, recent: int) -> torch.Tensor:
-        """(H, old) the policy's scores of request r's resident tokens, oldest first."""
+        """(H, old) the policy's scores of request r's resident tokens, oldest
+        first: its `compaction_scores` over what the worker's context would give."""
+        from vllm_kvevict.core.policies import DenseContext
+
         side, old = self.side, self.phys[r]
         src_blocks = side.table[r:r + 1, : -(-old // self.bs)]
         with kernels(self.mode):
-            if self.policy.window:
-                kk = side.layout.gather_keys(side.kc, src_blocks)[:, :, :old]
-                vv = side.layout.gather_values(side.vc, src_blocks)[:, :, :old]
-                return self.policy.scores(self.window_q[r][None].to(self.device), kk, vv,
-                                          self.scale, recent)[0]
-            if self.policy.needs_scores:
-                return side.scores[:, side.slots(r, 0, old).to(self.device)]
-            return torch.zeros(side.layout.num_kv_heads, old, device=self.device)
+            kk = side.layout.gather_keys(side.kc, src_blocks)[:, :, :old]
+            vv = side.layout.gather_values(side.vc, src_blocks)[:, :, :old]
+            ctx = DenseContext(kk, vv, recent=recent,
+                               accumulated=side.scores[:, side.slots(r, 0, old).to(self.device)][None],
+                               window=(self.window_q[r][None].to(self.device), self.scale))
+            return self.policy.compaction_scores(ctx)[0]
 
     def compact(self, r: int, keep: torch.Tensor) -> None:
         """Request r keeps tokens keep (H, new) (ascending), moved as the worker
-        moves them: the Triton kernel where kernel_dispatch picks it, else the
-        torch path."""
-        from vllm_kvevict.core.eviction.compaction import compact, move_scores
+        moves them: the Triton kernel where kernel_dispatch picks it, else its
+        plain reference (ordered, like the kernel). Scores move under every
+        policy (zeros where nothing accumulates)."""
         from vllm_kvevict.core.eviction.kernel_dispatch import triton_module, use_triton
+        from vllm_kvevict.triton_kernels.reference import compact_ref
 
         side, old, new = self.side, self.phys[r], keep.shape[1]
         keep = keep[None].to(self.device)
         src = side.slots(r, 0, old)[None]
         n_dst = -(-new // self.bs)
         dst = side.slots(r, 0, n_dst * self.bs)[None]
-        sc = side.scores if self.policy.needs_scores else None
+        sc = side.scores
         with kernels(self.mode):
             if use_triton(side.kc, side.layout):
                 triton_module("compaction").compact_in_place(side.kc, side.vc, sc, src, dst, keep)
             else:
-                compact(side.layout, side.kc, side.vc, side.table[r:r + 1, : -(-old // self.bs)],
-                        side.table[r:r + 1, :n_dst], keep)
-                if sc is not None:
-                    move_scores(sc, src, dst[:, :new], keep)
+                compact_ref(side.layout, side.kc, side.vc, sc, src, dst, keep)
         self.phys[r] = new
 
     def resident(self):
@@ -239,7 +239,7 @@ def policy_check(t: Target, policy: str) -> dict:
 
 def offload_check(t: Target) -> dict:
     """InfiniGen's decode math (`core.offload`) on device tensors vs the CPU."""
-    from vllm_kvevict.core.offload.decode_attention import decode_attention as offload
+    from vllm_kvevict.core.offload import decode_attention as offload
 
     rec = {"check": "offload: partial logits, host-entry selection, attention over "
                     "resident + fetched entries", "dtype": "float32"}
@@ -275,5 +275,7 @@ def offload_check(t: Target) -> dict:
 
 
 def run(t: Target) -> list[dict]:
-    return [policy_check(t, p) for p in ("h2o", "snapkv", "andpro", "streaming")] \
+    from vllm_kvevict.core.policies import POLICIES
+
+    return [policy_check(t, p) for p in POLICIES] \
         + [offload_check(t)]

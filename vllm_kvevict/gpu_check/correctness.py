@@ -19,6 +19,7 @@ import traceback
 
 import torch
 
+from vllm_kvevict.core.layouts.nhd_layout import NHDLayout
 from vllm_kvevict.gpu_check import cases, kernel
 from vllm_kvevict.gpu_check.cases import Target
 
@@ -181,33 +182,38 @@ def shape_name(t: Target, what: str) -> str:
 
 # ---------------------------------------------------------------- window scores
 
-def window_case(t: Target, kind, dtype, gqa, w, n, d, b=2, h=2):
+def window_case(t: Target, projection: bool, dtype, gqa, w, n, d, b=2, h=2):
     from vllm_kvevict.core.scoring.window_scores import raw_scores_torch
     gen = torch.Generator(device=t.device).manual_seed(2)
     q = rand((b, w, h * gqa, d), dtype, t.device, gen)
     # Strided k/v: the first n tokens of a longer buffer, as the worker passes them.
     k = rand((b, h, n + 7, d), dtype, t.device, gen)[:, :, :n]
     v = rand((b, h, n + 7, d), dtype, t.device, gen)[:, :, :n]
-    got = kernel("window").window_raw_scores(kind, q, k, v, d ** -0.5)
-    ref = torch.cat([raw_scores_torch(kind, q[i:i + 1].double(), k[i:i + 1].double(),
-                                      v[i:i + 1].double(), d ** -0.5) for i in range(b)])
+    got = kernel("window").window_raw_scores(q, k, v, d ** -0.5, projection=projection)
+    ref = torch.cat([raw_scores_torch(q[i:i + 1].double(), k[i:i + 1].double(),
+                                      v[i:i + 1].double(), d ** -0.5, projection)
+                     for i in range(b)])
     return {"scores_err": rel_err(got, ref), "scores_tol": WINDOW_TOL[dtype]}
 
 
 def window_checks(t: Target) -> list[dict]:
     recs = []
     for dtype in t.dtypes:
-        for kind in ("snapkv", "andpro"):
+        for kind, projection in WINDOW_KINDS:
             for gqa, w, n, d in cases.matrix(t, cases.WINDOW, cases.WINDOW_DRY):
                 recs.append(record(f"window scores ({kind})", f"GQA {gqa}, w {w}, n {n}, D {d}",
-                                   dtype, lambda: window_case(t, kind, dtype, gqa, w, n, d)))
+                                   dtype, lambda: window_case(t, projection, dtype, gqa, w, n, d)))
     s = cases.big(t)
-    for kind in ("snapkv", "andpro"):
+    for kind, projection in WINDOW_KINDS:
         recs.append(record(f"window scores ({kind})", shape_name(t, "compaction") + ", w 32",
                            s["dtype"], lambda: window_case(
-                               t, kind, s["dtype"], s["group"], min(32, s["ctx"]), s["ctx"],
-                               s["head_size"], b=s["batch"], h=s["heads"])))
+                               t, projection, s["dtype"], s["group"], min(32, s["ctx"]),
+                               s["ctx"], s["head_size"], b=s["batch"], h=s["heads"])))
     return recs
+
+
+# The window kernel's two modes, as the reports name them (the policy each serves).
+WINDOW_KINDS = (("snapkv", False), ("andpro", True))
 
 
 # ---------------------------------------------------------------- compaction
@@ -238,7 +244,8 @@ def compaction_case(t: Target, dtype, bs, old_len, new_len, d, h=3, rows=2):
     kc, vc, scores, src, dst, keep, *_ = compaction_inputs(t, dtype, bs, old_len, new_len, d,
                                                           h=h, rows=rows)
     want = [x.clone() for x in (kc, vc, scores)]
-    kernel("reference").compact_ref(*want, src, dst, keep)  # on the device: same values
+    layout = NHDLayout(bs, h, d, kc.dtype)
+    kernel("reference").compact_ref(layout, *want, src, dst, keep)  # on the device: same values
     # As the worker passes them: slot plans built on the host, keep on the device.
     kernel("compaction").compact_in_place(kc, vc, scores, src.cpu(), dst.cpu(), keep)
     exact = all(torch.equal(a, b) for a, b in zip((kc, vc, scores), want))

@@ -83,7 +83,7 @@ def run(t: Target) -> list[dict]:
     wk = torch.randn(2, 2, 50, 64, device=dev).to(dtype)
     win = kernel("window").window_raw_scores
     recs.append(counted(t, "window_raw_scores (andpro)", "device tensors",
-                        lambda: win("andpro", wq, wk, wk, 0.125), (wq, wk), 0))
+                        lambda: win(wq, wk, wk, 0.125, projection=True), (wq, wk), 0))
     ck, cv, cs, src, dst, keep, *_ = correctness.compaction_inputs(t, dtype, 16, 100, 37, 64)
     comp = kernel("compaction").compact_in_place
     src_h, dst_h = src.cpu(), dst.cpu()

@@ -113,9 +113,10 @@ def window_rows(t: Target, s: dict) -> list[dict]:
     v = torch.randn(b, h, n, d, device=t.device).to(dtype)
     f = kernel("window").window_raw_scores
     shape = f"B {b}, n {n}, H {h}, G {g}, D {d}, w {w}, {dtype}".replace("torch.", "")
-    return [row(t, f"window scores ({kind})", shape, lambda: f(kind, q, k, v, d ** -0.5),
-                2 * (2 if kind == "andpro" else 1) * b * h * n * d * k.element_size())
-            for kind in ("snapkv", "andpro")]
+    return [row(t, f"window scores ({kind})", shape,
+                lambda: f(q, k, v, d ** -0.5, projection=projection),
+                2 * (2 if projection else 1) * b * h * n * d * k.element_size())
+            for kind, projection in (("snapkv", False), ("andpro", True))]
 
 
 def compaction_rows(t: Target, s: dict) -> list[dict]:

@@ -4,10 +4,12 @@
   physical_metadata  the same, for the rows of the worker's current batch
   evictable_spec   the KV spec swap that gives the scheduler our block manager
   write_kv         the backend's own KV write, at the physical slots
-  score_step       H2O scores of this step's queries, after attention (or,
-                   for snapkv/andpro, their queries kept for the next compaction)
-  fused_decode     H2O decode steps on the Triton path: attention and scores
-                   in one pass over K and V, instead of the stock kernel + score_step
+  score_step       what the policy's recorder keeps of this step's queries, after
+                   attention (integration/recorders.py: H2O's scores, the
+                   window policies' queries, nothing for streaming)
+  fused_decode     all-decode steps on the Triton path under a recorder that
+                   fuses decode (accumulated attention): attention and scores in
+                   one pass over K and V, instead of the stock kernel + score_step
   host_lens        the step's lengths as vLLM keeps them on the host
 
 Host-device synchronisations (tests/test_cuda_syncs.py counts them): none of
@@ -26,7 +28,7 @@ import torch
 from vllm.v1.attention.backend import AttentionType
 
 from vllm_kvevict.core.eviction.kernel_dispatch import triton_module, upload, use_triton
-from vllm_kvevict.core.scoring.scores import accumulate_scores, zero_new_slots
+from vllm_kvevict.core.scoring.scores import zero_new_slots
 from vllm_kvevict.integration.worker import worker_state
 
 PLACEMENT_ATTR = "kvevict_decode_placement"  # set on a step's attention metadata
@@ -115,50 +117,29 @@ def write_kv(impl, layer, key, value, kv_cache, attn_metadata) -> None:
 
 
 def score_step(impl, layer, query, kv_cache, attn_metadata, make_layout) -> None:
-    """Register the layer's cache with the worker state and, under a scoring
-    policy, add this step's attention to the per-slot scores. Decode queries go
-    to the decode log and short prefill chunks to the chunk log when the builder
-    placed them there (CPU), else are scored now."""
+    """Register the layer's cache with the worker state and hand this step's
+    queries to the policy's recorder (integration/recorders.py), with the
+    placement the builder made for them (CPU logs, the query ring) if any."""
     state = worker_state()
     if state is None or impl.attn_type != AttentionType.DECODER:
         return
     n = attn_metadata.num_actual_tokens
     lc = state.layer(layer.layer_name, kv_cache, make_layout)
-    placement = getattr(attn_metadata, PLACEMENT_ATTR, None)
-    if state.policy.window:  # snapkv/andpro: keep the newest queries for compaction
-        if placement is not None:
-            state.query_window.record(layer.layer_name, query[:n], placement, impl.scale)
-        return
-    if not state.policy.needs_scores:
-        return
-    rows = getattr(attn_metadata, SCORED_ATTR, None)
-    if placement is not None:
-        state.decode_log.record(layer.layer_name, query[:n], placement, impl.scale)
-        if placement.deferred is not None:  # scored at the next step's start
-            state.chunk_log.record(layer.layer_name, query[:n], impl.scale)
-            rows = ~placement.deferred if rows is None else rows & ~placement.deferred
-        if not placement.score_now:  # every row logged, deferred or unscored
-            return  # (the builder zeroed the new slots: WorkerEviction.zero_new_slots)
-    key_cache, _ = lc.layout.split(kv_cache)
-    host = getattr(attn_metadata, HOST_ATTR, None) or HostLens(None, None)
-    accumulate_scores(lc.scores, lc.layout, key_cache, query[:n],
-                      attn_metadata.query_start_loc, attn_metadata.seq_lens,
-                      attn_metadata.block_table, attn_metadata.slot_mapping, impl.scale,
-                      decode=placement is None, rows=rows,
-                      query_start_loc_cpu=host.query_start_loc, seq_lens_cpu=host.seq_lens,
-                      private=state.private_rows(layer.layer_name, lc,
-                                                 attn_metadata.query_start_loc.shape[0] - 1))
+    state.recorder.record(layer.layer_name, lc, query[:n], kv_cache, impl.scale, attn_metadata,
+                          getattr(attn_metadata, PLACEMENT_ATTR, None),
+                          getattr(attn_metadata, SCORED_ATTR, None),
+                          getattr(attn_metadata, HOST_ATTR, None) or HostLens(None, None))
 
 
 def fused_decode(impl, layer, query, kv_cache, attn_metadata, output, make_layout) -> bool:
     """Attention output and H2O scores of an all-decode step from one Triton
     kernel (`triton_kernels.paged_attention`), written into `output`
     (num_tokens, H_q, D). Returns False, doing nothing, when the step is not
-    such a step (prefill rows, no scoring policy, decode log, torch path,
-    private score rows)."""
+    such a step (prefill rows, a recorder that does not fuse decode, decode
+    log, torch path, private score rows)."""
     state = worker_state()
-    if (state is None or impl.attn_type != AttentionType.DECODER or state.policy.window
-            or not state.policy.needs_scores or attn_metadata.max_query_len != 1
+    if (state is None or impl.attn_type != AttentionType.DECODER
+            or not state.recorder.fuses_decode or attn_metadata.max_query_len != 1
             or getattr(attn_metadata, PLACEMENT_ATTR, None) is not None):
         return False
     lc = state.layer(layer.layer_name, kv_cache, make_layout)

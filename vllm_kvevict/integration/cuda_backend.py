@@ -91,10 +91,13 @@ class EvictingFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
         host = host_lens(cm)  # the forward's Python reads these, not the device tensors
         setattr(metadata, SCORED_ATTR, scored)
         setattr(metadata, HOST_ATTR, host)
-        if self.state.policy.window:  # snapkv/andpro keep their window queries
+        # Queries placed by the recorder (the window policies' ring); accumulated
+        # attention is scored in its own step here (no decode log on CUDA).
+        if self.state.recorder.places(may_defer=False):
             placement = self.state.place_queries(
                 cm.num_reqs, host.query_start_loc, _on_host(cm.seq_lens, host.seq_lens),
-                _on_host(logical.seq_lens, host_lens(logical).seq_lens), scored)
+                _on_host(logical.seq_lens, host_lens(logical).seq_lens), scored,
+                may_defer=False)
             if placement is not None:  # uploaded once for all layers
                 dev = cm.query_start_loc.device
                 placement = StepPlacement(upload(placement.tokens, dev),

@@ -88,7 +88,7 @@ class EvictableAttentionManager(FullAttentionManager):
         # blocks scores their tokens in private rows, which workers open when
         # told (EvictionStep.shared_prefix; core/scoring/private_scores.py).
         self.scores_per_slot = make_policy(self.cfg.policy, self.cfg.sink,
-                                           self.cfg.window).needs_scores
+                                           self.cfg.window).records.per_slot
         self.shared_prefix: dict[str, int] = {}  # since the last drain()
         self.num_compactions = 0
         self.num_tokens_evicted = 0

@@ -6,8 +6,11 @@ At pipeline parallel it holds only its stage's layers: every stage gets the
 same plans (one SchedulerOutput) and scores and compacts its own layers, so
 physical lengths agree across stages by construction.
 
-Per layer it keeps a score buffer beside the KV cache (H2O only; the other
-policies' buffers are empty):
+The policy says what is recorded for it each step (`policy.records`); its
+recorder (integration/recorders.py) does it, and the worker calls the recorder
+and the policy's `compaction_scores` without asking which policy runs. Under
+Record.ATTENTION (H2O) each layer keeps a score buffer beside the KV cache (the
+other recorders' buffers are empty):
 
     scores[layer]: (num_kv_heads, num_blocks * block_size) float32
                    accumulated attention received by the token in each slot
@@ -20,8 +23,8 @@ the scores of those tokens in private rows until its first compaction
 (core/scoring/private_scores.py), so no two requests ever add into one slot.
 
 One file because `WorkerEviction` is one process's state, read and changed by
-every step hook (begin_step, placement, compaction, metrics); it splits by
-concern once policies own their scoring and blocks are decided in the core.
+every step hook (begin_step, placement, compaction, metrics); what each
+policy records per step and reads at a compaction is in recorders.py.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Any
 import torch
 
 from vllm_kvevict.core.scoring.chunk_log import ChunkLog
-from vllm_kvevict.core.eviction.compaction import by_age, fill_holes, slot_order
+from vllm_kvevict.core.eviction.compaction import fill_holes, slot_order
 from vllm_kvevict.core.config.settings import EvictionConfig
 from vllm_kvevict.core.layouts.cpu_layout import token_slots
 from vllm_kvevict.core.scoring.decode_log import DecodeQueryLog, StepPlacement
@@ -50,6 +53,7 @@ from vllm_kvevict.core.policies import make_policy
 from vllm_kvevict.core.scoring.private_scores import PrivateScores, restore
 from vllm_kvevict.core.scoring.query_window import QueryWindow
 from vllm_kvevict.integration.metrics import Snapshot
+from vllm_kvevict.integration.recorders import RECORDERS, Recorder, StackContext
 from vllm_kvevict.integration.offload_attention import (
     OffloadState,
     evicted_entries,
@@ -63,6 +67,7 @@ class WorkerEviction:
         self.cfg = cfg
         self.block_size = block_size
         self.policy = make_policy(cfg.policy, cfg.sink, cfg.window)
+        self.recorder: Recorder = RECORDERS[self.policy.records](self)
         self.layers: dict[str, LayerCache] = {}
         self.runner = None  # the GPUModelRunner (or subclass) of this process
         self.evicted: dict[str, int] = {}
@@ -71,10 +76,11 @@ class WorkerEviction:
         # 4 bytes per resident token and head, beside 4 * D bytes of its KV.
         self.order: dict[str, torch.Tensor] = {}
         self.decode_log = DecodeQueryLog()
-        self.chunk_log = ChunkLog()  # h2o: short prefill chunks, scored next step
-        self.private = PrivateScores()  # h2o: scores of shared first blocks
-        self.query_window = QueryWindow(cfg.window)  # used by snapkv/andpro only
-        self.num_windowless = 0  # snapkv/andpro compactions that found no window
+        # What the recorders keep (empty unless the policy's recorder uses them):
+        self.chunk_log = ChunkLog()  # Record.ATTENTION: short prefill chunks, scored next step
+        self.private = PrivateScores()  # Record.ATTENTION: scores of shared first blocks
+        self.query_window = QueryWindow(cfg.window)  # Record.QUERIES: the newest queries
+        self.num_windowless = 0  # compactions whose policy asked for a window and found none
         self._stack_cache: list[LayerStack] | None = None
         self.unscored: set[str] = set()  # requests that never compact: no scoring
         self.arriving: set[str] = set()  # during begin_step: this step's new requests
@@ -101,9 +107,9 @@ class WorkerEviction:
             # vLLM may change it after model load): trust the cache.
             self.block_size = layout.block_size
             key_cache, _ = layout.split(kv_cache)
-            # Only a policy that accumulates attention per slot (h2o) gets a
-            # score buffer; the others hold an empty one (no memory, same code).
-            slots = key_cache.shape[0] * layout.block_size if self.policy.needs_scores else 0
+            # Only a recorder that accumulates attention per slot gets a score
+            # buffer; the others hold an empty one (no memory, same code).
+            slots = self.recorder.score_slots(key_cache.shape[0] * layout.block_size)
             scores = torch.zeros(layout.num_kv_heads, slots, dtype=torch.float32,
                                  device=kv_cache.device)
             lc = LayerCache(kv_cache, layout, scores)
@@ -132,13 +138,7 @@ class WorkerEviction:
             if self.host is not None:  # both tiers go together
                 self.host.free(req_id)
         self.unscored.update(step.unscored)
-        if self.policy.needs_scores:
-            for req_id, n in step.shared_prefix.items():
-                if req_id not in self.unscored:
-                    self.private.open(req_id, n)
-        self.chunk_log.flush(self._stacks(), self._block_ids, self._private_of)
-        self.decode_log.flush([p.req_id for p in step.plans], self._stacks(), self._block_ids,
-                              self._private_of)
+        self.recorder.begin_step(step)
         if step.plans:
             start = time.perf_counter()  # CPU: the work; CUDA: its launch (async)
             self.arriving = {r.req_id for r in scheduler_output.scheduled_new_reqs}
@@ -190,47 +190,29 @@ class WorkerEviction:
 
     def place_queries(self, num_reqs: int, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, logical_seq_lens: torch.Tensor,
-                      scored: torch.Tensor | None) -> StepPlacement | None:
+                      scored: torch.Tensor | None, may_defer: bool = True
+                      ) -> StepPlacement | None:
         """Once per step, from the metadata builder: where this step's queries
-        are kept. snapkv/andpro: ring cells of each request's newest tokens
-        (logical positions). h2o (CPU): log slots of the scored decode queries
-        (physical seq_lens), and the short prefill chunks the chunk log takes.
-        None otherwise (h2o then scores everything now),
-        e.g. for a second builder in the same step or a dummy run."""
-        if not self._step_open or self.runner is None:
-            return None
-        if self.policy.window:
-            self._step_open = False
-            qsl = query_start_loc[: num_reqs + 1].tolist()
-            return self.query_window.place(
-                self.runner.input_batch.req_ids[:num_reqs],
-                [b - a for a, b in zip(qsl, qsl[1:])], logical_seq_lens[:num_reqs].tolist(),
-                None if scored is None else scored.tolist())
-        if not self.policy.needs_scores:
+        are kept (the recorder's `place`: e.g. ring cells of each request's
+        newest tokens, or log slots of the decode queries and the short prefill
+        chunks the chunk log takes). None when the recorder places nothing (its
+        layers then record everything now), for a second builder in the same
+        step or a dummy run. may_defer: queries may wait in logs (CPU)."""
+        if not self._step_open or self.runner is None or not self.recorder.places(may_defer):
             return None
         self._step_open = False
-        if self.decode_log.full():
-            self.decode_log.flush_all(self._stacks(), self._block_ids, self._private_of)
         qsl = query_start_loc[: num_reqs + 1].tolist()
-        q_lens = [b - a for a, b in zip(qsl, qsl[1:])]
-        req_ids = self.runner.input_batch.req_ids[:num_reqs]
-        seq, keep = seq_lens[:num_reqs].tolist(), None if scored is None else scored.tolist()
-        placement = self.decode_log.place(req_ids, q_lens, seq, keep)
-        placement.defer(self.chunk_log.place(req_ids, q_lens, seq, keep), q_lens, keep)
-        return placement
+        return self.recorder.place(
+            self.runner.input_batch.req_ids[:num_reqs], [b - a for a, b in zip(qsl, qsl[1:])],
+            seq_lens[:num_reqs].tolist(), logical_seq_lens[:num_reqs].tolist(),
+            None if scored is None else scored.tolist())
 
     def zero_new_slots(self, slot_mapping: torch.Tensor, num_tokens: int) -> None:
         """New tokens start with zero importance, whatever their slot held
         before: once per step for every layer (one op per layer stack), from the
         metadata builder, before any layer logs or scores this step's queries.
         slot_mapping: the step's physical slots, the first num_tokens real."""
-        if not self.policy.needs_scores or not self.layers:
-            return  # no layer yet: its score buffer will be made zeroed
-        slots = slot_mapping[:num_tokens].long()
-        for st in self._stacks():
-            per_layer = st.num_blocks * self.block_size
-            cols = slots[None] + per_layer * torch.arange(st.num_layers, device=slots.device)[:, None]
-            st.scores.index_fill_(1, cols.flatten(), 0.0)
+        self.recorder.zero_new_slots(slot_mapping, num_tokens)
 
     def evicted_per_row(self, num_reqs: int) -> torch.Tensor | None:
         """(num_reqs,) int32 offsets logical - physical in batch order, or None."""
@@ -289,40 +271,28 @@ class WorkerEviction:
             rows = None if order is None else order[first:first + st.num_layers]
             # The policy sees tokens oldest first (the recent window, pooling over
             # neighbours); `rows` maps that order to slots after earlier compactions.
-            kv = private = None
-            if self.policy.window or self.cfg.offload:
-                kv = tuple(by_age(x[:, :, : plan.old_len], rows) for x in (
-                    st.layout.gather_keys(kc, src_rows, src_rows.shape[1]),
-                    st.layout.gather_values(vc, src_rows, src_rows.shape[1])))
-            if self.policy.window:
-                scores = self._window_scores(plan, st, keep_recent, *kv)
-            elif self.policy.needs_scores:
-                scores = by_age(st.scores[:, src_slots].transpose(0, 1), rows)  # (L, H, old_len)
-                private = self.private.stacked(plan.req_id, st.names, st.layout.num_kv_heads,
-                                               scores.device)
-                if private is not None:  # never compacted yet: slot order is age order
-                    assert rows is None
-                    n = min(private.shape[2], plan.old_len)
-                    scores[..., :n] = private[..., :n]
-            else:  # streaming: the kept set depends on age only
-                scores = torch.zeros(st.num_layers, st.layout.num_kv_heads, plan.old_len)
+            # Private rows exist only where the recorder opened them (per-slot scores).
+            private = self.private.stacked(plan.req_id, st.names, st.layout.num_kv_heads,
+                                           st.scores.device)
+            ctx = StackContext(self, plan, st, rows, src_rows, src_slots, private)
+            scores = self._compaction_scores(ctx)  # (L, H, old_len)
             num_layers, h, _ = scores.shape
             keep = self.policy.select(scores.reshape(num_layers * h, -1), plan.new_len,
                                       keep_recent).view(num_layers, h, plan.new_len)
             keep_slots = keep if rows is None else rows.gather(2, keep.to(rows.device))
             if self.cfg.offload:  # read what is dropped before the kept tokens overwrite it
-                evicted_kv.append(evicted_entries(keep, *kv))
+                evicted_kv.append(evicted_entries(keep, ctx.keys(), ctx.values()))
+            moved_scores = st.scores if st.scores.shape[1] else None  # a recorder's buffer
             if use_triton(kc, st.layout):  # K, V and scores moved in place, in one kernel
                 ordered, perm = keep_slots.sort(dim=2)
                 triton_module("compaction").compact_in_place(
-                    kc, vc, st.scores if self.policy.needs_scores else None, src_slots,
+                    kc, vc, moved_scores, src_slots,
                     token_slots(dst_rows, dst_rows.shape[1] * bs, bs), ordered)
                 after = torch.empty_like(perm).scatter_(
                     2, perm, torch.arange(plan.new_len, device=perm.device).expand_as(perm))
             else:  # only the kept tokens past new_len move, into the evicted slots
                 after = fill_holes(st.layout, kc, vc, src_rows, dst_rows, keep_slots,
-                                   plan.old_len,
-                                   st.scores if self.policy.needs_scores else None)
+                                   plan.old_len, moved_scores)
             if private is not None:
                 # The kept blocks are all private now (spec.py copies shared
                 # ones): the private scores go beside the tokens.
@@ -335,7 +305,7 @@ class WorkerEviction:
             tier = host_tier(self, self._stacks()[0].layout, evicted_kv[0][0].dtype)
             tier.offload(plan.req_id, torch.cat([k for k, _ in evicted_kv]),
                          torch.cat([v for _, v in evicted_kv]))
-        self.query_window.compacted(plan.req_id, keep_recent)
+        self.recorder.compacted(plan.req_id, keep_recent)
         if req_state is None:  # new: the row comes with this step's output
             return
         # The request's row is now exactly dst; this step's new blocks follow.
@@ -347,20 +317,10 @@ class WorkerEviction:
             table.num_blocks_per_row[row] = 0
             table.append_row(list(plan.dst_block_ids), row)
 
-    def _window_scores(self, plan: CompactionPlan, st: LayerStack, recent: int,
-                       k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """(L, H, old_len) snapkv/andpro scores of the request's resident tokens
-        from its window queries; k, v: (L, H, old_len, D), oldest token first.
-        Without a window (nothing logged, e.g. a prompt served from elsewhere)
-        every older token scores 0: the first and the recent tokens are kept."""
-        win = self.query_window.window(plan.req_id, st.names, plan.logical_len)
-        if win is None:
-            self.num_windowless += 1
-            scores = torch.zeros(k.shape[:3], device=k.device)
-            scores[..., 0] = float("inf")
-            return scores
-        q, scale = win
-        return self.policy.scores(q.to(k.device), k, v, scale, recent)
+    def _compaction_scores(self, ctx: StackContext) -> torch.Tensor:
+        """(L, H, old_len) the policy's scores of one stack's resident tokens,
+        oldest first (a method of its own so benchmarks time scoring apart)."""
+        return self.policy.compaction_scores(ctx)
 
 
 def _worker_rank() -> int:
@@ -390,7 +350,7 @@ def init_worker_state(vllm_config, cfg: EvictionConfig, block_size: int) -> None
     if _STATE is not None:
         if cfg.offload:
             _STATE.offload = OffloadState(vllm_config.model_config.model)
-        if _STATE.policy.needs_scores or _STATE.policy.window:
+        if _STATE.recorder.scoring:
             log_cpu_path_once()
 
 

@@ -10,7 +10,10 @@
     tests/test_flags.py fails when a table there disagrees.
 A key of `additional_config` is the flag's name with underscores
 (`--kv-budget` <-> `kv_budget`). Every parser's error names the flag, so a bad
-value stops startup, never a request.
+value stops startup, never a request. `ALIASES` are --kv-eviction names that
+stand for a policy plus a mode (`infinigen`: streaming with offload on).
+One file because it is the table and everything read off it (parsers, the
+--help text, the docs' tables): a setting is added in one place.
 
     python -m vllm_kvevict.core.config.flags --markdown [GROUP ...]   # print the table
     python -m vllm_kvevict.core.config.flags --write FILE ...          # refresh marked tables
@@ -27,7 +30,10 @@ from typing import Any, Callable
 
 from vllm_kvevict.core.policies import POLICIES as POLICY_CLASSES
 
-POLICIES = ("none", *POLICY_CLASSES)  # --kv-eviction choices
+# --kv-eviction names that stand for a policy with offload on (`EvictionConfig.offload`):
+# InfiniGen keeps StreamingLLM's sinks + recent window resident and the rest on the host.
+ALIASES: dict[str, tuple[str, bool]] = {"infinigen": ("streaming", True)}
+POLICIES = ("none", *POLICY_CLASSES, *ALIASES)  # --kv-eviction choices
 VICTIMS = ("counter", "lru", "fifo")  # host-pool victim policies (host_pool.py)
 GROUPS = ("eviction", "offload", "modules")  # the config value each flag fills
 MAX_COUNT = 1 << 40  # no token count or size above this is a setting; parse no more digits
@@ -100,11 +106,51 @@ def _tokens(key: str, value: Any) -> int:
 
 
 def _policy(key: str, value: Any) -> str:
+    # The registry as it is now (a test may register a policy of its own).
+    known = ("none", *POLICY_CLASSES, *ALIASES)
     policy = str(value or "none").strip().lower()
-    if policy not in POLICIES:
+    if policy not in known:
         raise EvictionConfigError(
-            f"{flag_name(key)}: unknown policy {value!r}; choose one of {', '.join(POLICIES)}")
+            f"{flag_name(key)}: unknown policy {value!r}; choose one of {', '.join(known)}")
     return policy
+
+
+def resolve_alias(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` (additional_config) with an aliased --kv-eviction spelled out:
+    `infinigen` is `streaming` with `kv_offload` on. Its kv_offload may be
+    given only as on; other values are left to the parsers."""
+    if raw.get("kv_eviction") is None:
+        return raw
+    name = _policy("kv_eviction", raw["kv_eviction"])
+    if name not in ALIASES:
+        return raw
+    policy, offload = ALIASES[name]
+    if raw.get("kv_offload") is not None and _switch("kv_offload", raw["kv_offload"]) != offload:
+        raise EvictionConfigError(
+            f"{flag_name('kv_offload')} {raw['kv_offload']!r} contradicts --kv-eviction {name} "
+            f"({policy} with offload {'on' if offload else 'off'}); drop one of them")
+    return {**raw, "kv_eviction": policy, "kv_offload": offload}
+
+
+def policy_label(policy: str, offload: bool) -> str:
+    """How --kv-eviction names a policy with offload on or off: the alias it
+    spells out, else the policy (to_dict's form, /metrics' policy label)."""
+    return next((name for name, meaning in ALIASES.items() if meaning == (policy, offload)),
+                policy)
+
+
+_SWITCH = {"1": True, "true": True, "on": True, "yes": True,
+           "0": False, "false": False, "off": False, "no": False}
+
+
+def _switch(key: str, value: Any) -> bool:
+    """on / off (also true / false, yes / no, 1 / 0, or a JSON bool)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text not in _SWITCH:
+        raise EvictionConfigError(f"{flag_name(key)} must be on or off, got {value!r}")
+    return _SWITCH[text]
 
 
 def parse_prefill_cap(key: str, cap: Any) -> int | None:
@@ -261,9 +307,9 @@ TABLE: tuple[Flag, ...] = (
          help="KV cache eviction policy: `h2o` (heavy hitters by accumulated attention + "
               "recent window), `streaming` (attention sinks + recent window), `snapkv` or "
               "`andpro` (tokens scored by the attention, or the value projection on the "
-              "output, of the last `--kv-window` queries), `infinigen` (sinks + recent "
-              "window resident, the rest offloaded to a host pool and fetched back when a "
-              "decode query is predicted to need it)."),
+              "output, of the last `--kv-window` queries), `infinigen` (`streaming` with "
+              "`--kv-offload on`: sinks + recent window resident, the rest offloaded to a "
+              "host pool and fetched back when a decode query is predicted to need it)."),
     Flag("kv_budget", "eviction", 1024, parse_number, request=True,
          help="Resident KV tokens per request: a token count (`256`) or a fraction of the "
               "request's length (`0.2`); never below one KV block."),
@@ -283,11 +329,17 @@ TABLE: tuple[Flag, ...] = (
               "short it is compressed between chunks instead (counted in "
               "`vllm_kvevict_prefill_fallbacks_total`). "
               "`0`: always between chunks."),
+    Flag("kv_offload", "offload", False, _switch, null_is_default=True, attr="enabled",
+         shown="`off`; on with `--kv-swap-space` or `--kv-eviction infinigen`",
+         help="Offload (InfiniGen): what the policy evicts goes to a host pool instead of being "
+              "dropped, and each decode step fetches back the entries its query is predicted "
+              "to need; the policy still chooses what stays resident. `on` or `off`. "
+              "`--kv-eviction infinigen` is `streaming` with offload on."),
     Flag("kv_swap_space", "offload", None, _swap_space, null_is_default=True,
-         shown="`4GiB` under `infinigen`, else no offload",
+         shown="`4GiB` under `infinigen` or `--kv-offload on`, else no offload",
          help="Host memory pool for offloaded KV per worker: a number of GiB, as vLLM's "
               "`--swap-space` reads it (`4`, `0.25`), `0.25` being 256 MiB, or a size "
-              "with a unit (`8GiB`, `512MiB`, `1073741824B`). With `h2o`, `andpro`, `snapkv` or `streaming` it "
+              "with a unit (`8GiB`, `512MiB`, `1073741824B`). Under any policy it "
               "turns offload on: evicted KV goes to the pool instead of being dropped."),
     Flag("kv_alpha", "offload", 4.0, _in(0.0, math.inf), null_is_default=True,
          help="Offload: fetch the host entries whose partial attention logit is above "

@@ -31,11 +31,13 @@ from vllm_kvevict.core.config.flags import (  # noqa: F401  (MAX_COUNT..VICTIMS:
     parse_bytes,
     parse_number,
     parse_prefill_cap,
+    policy_label,
+    resolve_alias,
 )
 from vllm_kvevict.core.policies import POLICIES as POLICY_CLASSES
-from vllm_kvevict.core.policies import EvictionPolicy
+from vllm_kvevict.core.policies import EvictionPolicy, PolicySettingError
 
-DEFAULT_SWAP_SPACE = 4 << 30  # host pool bytes under infinigen when not given
+DEFAULT_SWAP_SPACE = 4 << 30  # host pool bytes with offload on, when not given
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,10 @@ class ModuleLimits:
 @dataclass(frozen=True)
 class OffloadSettings:
     """InfiniGen offload's settings: the `offload` group of core/config/flags.py.
-    Whether offload is on depends on the policy too (EvictionConfig.offload)."""
+    Offload is on with `enabled` (--kv-offload, or --kv-eviction infinigen) or
+    a `swap_space` (EvictionConfig.offload)."""
 
+    enabled: bool = default("kv_offload")
     swap_space: int | None = default("kv_swap_space")  # bytes; None: see swap_bytes
     alpha: float = default("kv_alpha")
     attend_cap: float = default("kv_attend_cap")
@@ -80,11 +84,12 @@ class EvictionConfig:
     the request's current length, as in H2O's ratios); recent None: the
     policy's own default (recent_tokens). prefill_cap None: `auto`.
 
-    Offload (InfiniGen): evicted KV goes to a host pool instead of being
-    dropped, and each decode step fetches back the entries its query is
-    predicted to need. On with policy "infinigen" (resident set: sinks + recent
-    window) or with any other policy given a `swap_space` (that policy then
-    chooses what stays resident).
+    Offload (InfiniGen) is a mode, not a policy: evicted KV goes to a host
+    pool instead of being dropped, and each decode step fetches back the
+    entries its query is predicted to need; the policy still chooses what
+    stays resident. On with --kv-offload or a --kv-swap-space;
+    `--kv-eviction infinigen` is policy streaming with --kv-offload on
+    (flags.ALIASES).
     """
 
     policy: str = default("kv_eviction")
@@ -103,7 +108,19 @@ class EvictionConfig:
     @property
     def offload(self) -> bool:
         """Evicted KV goes to the host pool (InfiniGen) instead of being dropped."""
-        return self.policy == "infinigen" or bool(self.host.swap_space)
+        return self.host.enabled or bool(self.host.swap_space)
+
+    @property
+    def label(self) -> str:
+        """The policy as --kv-eviction names it (`infinigen` for streaming with
+        --kv-offload on): to_dict's kv_eviction, /metrics' policy label."""
+        return policy_label(self.policy, self.host.enabled)
+
+    def as_flags(self) -> str:
+        """The flags that turned eviction (and offload) on, as a user writes them."""
+        offload = self.host.enabled and self.label == self.policy
+        return (f"--kv-eviction {self.label}" + (" --kv-offload on" if offload else "")
+                + (" --kv-swap-space" if self.swap_space else ""))
 
     @property
     def swap_bytes(self) -> int:
@@ -124,7 +141,7 @@ class EvictionConfig:
             raise EvictionConfigError(
                 f"--additional-config must be a JSON object such as "
                 f"'{{\"kv_eviction\": \"h2o\"}}', got {raw!r}")
-        raw = dict(raw or {})
+        raw = resolve_alias(dict(raw or {}))
         unknown = sorted(k for k in raw if k.startswith("kv_") and k not in FLAGS)
         if unknown:
             renamed = {"kv_prefetch": "kv_attend_cap (--kv-attend-cap)"}
@@ -151,22 +168,27 @@ class EvictionConfig:
             if recent > budget:
                 raise EvictionConfigError(
                     f"{flag_name('kv_recent')} ({recent}) must not exceed --kv-budget ({budget})")
-        if self.policy == "streaming" and isinstance(budget, int) and self.sink >= budget:
-            raise EvictionConfigError(
-                f"{flag_name('kv_sink')} ({self.sink}) must be smaller than --kv-budget ({budget})")
-        if self.host.swap_space and self.policy == "none":
-            raise EvictionConfigError(
-                f"{flag_name('kv_swap_space')} needs an eviction policy: it holds what "
-                f"--kv-eviction evicts (try --kv-eviction infinigen)")
+        if self.enabled:
+            try:
+                POLICY_CLASSES[self.policy].check(budget, self.sink, self.window)
+            except PolicySettingError as e:
+                raise EvictionConfigError(f"{flag_name(e.key)} {e.text}") from None
+        for key, given in (("kv_swap_space", self.host.swap_space),
+                           ("kv_offload", self.host.enabled)):
+            if given and not self.enabled:
+                raise EvictionConfigError(
+                    f"{flag_name(key)} needs an eviction policy: it holds what "
+                    f"--kv-eviction evicts (try --kv-eviction infinigen)")
         if self.host.skewing and not self.offload:
             raise EvictionConfigError(
-                f"{flag_name('kv_skewing')} is for KV offload: add --kv-eviction infinigen "
-                f"or --kv-swap-space")
+                f"{flag_name('kv_skewing')} is for KV offload: add --kv-offload on, "
+                f"--kv-eviction infinigen or --kv-swap-space")
 
     def to_dict(self) -> dict[str, Any]:
         """The canonical `additional_config` form: from_dict(to_dict()) == self."""
         out = {f.key: getattr(self, f.field) for f in group("eviction")
                if f.key != "kv_prefill_cap"}
+        out["kv_eviction"] = self.label  # infinigen (with kv_offload) reads back the same
         if self.offload:  # keep the old keys (and spec hashes) for the other policies
             out.update({f.key: getattr(self.host, f.field) for f in group("offload")
                         if f.key != "kv_skewing" or self.host.skewing})

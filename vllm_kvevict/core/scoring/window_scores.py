@@ -21,6 +21,10 @@ tokens' scores), and the window itself and the first token always kept. Under
 a budget smaller than two windows only half the budget is kept as recent
 tokens; the older window tokens then compete on their (causal) scores.
 
+`attention_sums` and `value_projection` compute the raw scores, each on the
+path `core/eviction/kernel_dispatch.py` picks; `finalize` smooths them; the
+policies (core/policies/snapkv.py, andpro.py) put the two together.
+
 Shapes: q (B, w, H_q, D) the window queries in token order; k, v (B, H, n, D)
 the resident keys/values in logical order, the last w of which are the
 window's own tokens. B is any batch of rows (layers of one request here).
@@ -63,24 +67,38 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Te
     return logits.softmax(dim=-1)
 
 
-def raw_scores(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float) -> torch.Tensor:
-    """(B, H, n) float32 per-token window scores before pooling: the Triton
-    kernel where `vllm_kvevict.core.eviction.kernel_dispatch` picks it (CUDA), SnapKV's
-    column sums in the compiled CPU kernel where it is built, else `raw_scores_torch`."""
+def attention_sums(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """(B, H, n) float32 SnapKV raw scores: the window's attention summed per
+    token over the window queries and the group's query heads. The Triton
+    kernel where `vllm_kvevict.core.eviction.kernel_dispatch` picks it (CUDA),
+    the compiled CPU kernel's column sums where it is built, else torch."""
     if use_triton(q):
-        return triton_module("window").window_raw_scores(kind, q.to(k.dtype), k, v, scale)
-    isa = cpu_kernel_isa(q, k) if kind == "snapkv" else None
+        return triton_module("window").window_raw_scores(q.to(k.dtype), k, k, scale,
+                                                         projection=False)
+    isa = cpu_kernel_isa(q, k)
     if isa is not None:
         from vllm_kvevict import cpu_kernel
 
         return cpu_kernel.window_column_sums(q, k, scale, isa)
-    return raw_scores_torch(kind, q, k, v, scale)
+    return raw_scores_torch(q, k, k, scale, projection=False)
 
 
-def raw_scores_torch(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def value_projection(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """The plain-torch `raw_scores`, tiled over B (the Triton kernel's reference).
+    """(B, H, n) float32 AnDPro raw scores: sum_{g,t} a[t, i] <y_t, v_i>. The
+    Triton kernel where `kernel_dispatch` picks it (CUDA), else torch (the
+    compiled CPU kernel has no projection)."""
+    if use_triton(q):
+        return triton_module("window").window_raw_scores(q.to(k.dtype), k, v, scale,
+                                                         projection=True)
+    return raw_scores_torch(q, k, v, scale, projection=True)
+
+
+def raw_scores_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     projection: bool = False) -> torch.Tensor:
+    """The plain-torch raw window scores, tiled over B (the Triton kernel's
+    reference): the attention sums (SnapKV), or with `projection` the value
+    projection (AnDPro).
 
     AnDPro's sum over (g, t) is a matrix product rather than an elementwise
     pass: sum_t a[t, i] <y_t, v_i> = <(A^T Y)_i, v_i> (no (G*w, n) projection
@@ -92,14 +110,12 @@ def raw_scores_torch(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     for b0 in range(0, b, tile):
         sl = slice(b0, b0 + tile)
         a = window_attention(q[sl], k[sl], scale)  # (b, H, G*w, n)
-        if kind == "snapkv":
-            out[sl] = a.sum(dim=2)
-        elif kind == "andpro":
+        if projection:
             vf = v[sl].to(torch.float32)  # (b, H, n, D)
             y = torch.matmul(a, vf)  # (b, H, G*w, D) pre-eviction outputs
             out[sl] = (torch.matmul(a.transpose(-1, -2), y) * vf).sum(dim=-1)
         else:
-            raise ValueError(f"unknown window score {kind!r}")
+            out[sl] = a.sum(dim=2)
     return out
 
 
@@ -124,10 +140,3 @@ def finalize(scores: torch.Tensor, recent: int, pool: int = POOL_KERNEL,
     out[..., :m] = old.view(b, h, m)
     out[..., 0] = float("inf")
     return out
-
-
-def window_scores(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  scale: float, recent: int | None = None) -> torch.Tensor:
-    """(B, w, H_q, D), (B, H, n, D) x2 -> (B, H, n) selection scores, with the
-    `recent` newest tokens always kept (default: the window, as the papers)."""
-    return finalize(raw_scores(kind, q, k, v, scale), q.shape[1] if recent is None else recent)

@@ -1,0 +1,19 @@
+"""SnapKV: tokens scored by the attention of the observation window."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_kvevict.core.policies.window import WindowPolicy
+from vllm_kvevict.core.scoring.window_scores import attention_sums
+
+
+class SnapKVPolicy(WindowPolicy):
+    """SnapKV (Li et al. 2024): a token's score is the attention the window's
+    queries give it, pooled."""
+
+    name = "snapkv"
+
+    def raw_scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+        return attention_sums(q, k, scale)

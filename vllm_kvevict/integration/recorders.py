@@ -1,0 +1,216 @@
+"""What the engine records for a policy at every step, and what a policy reads
+at a compaction: the two halves of the policy interface (core/policies/base.py)
+on the worker's side.
+
+A policy names what it needs recorded (`EvictionPolicy.records`, a `Record`);
+`RECORDERS` maps that value to one of the classes below, which the worker, the
+attention backends and their metadata builders call unconditionally (a recorder
+with nothing to record does nothing):
+
+  Recorder           Record.NOTHING: nothing per step
+  AttentionRecorder  Record.ATTENTION: accumulated attention per (KV head, slot)
+                     in a float32 buffer beside the cache; decode queries wait in
+                     the decode log and short prefill chunks in the chunk log
+                     (CPU), shared first blocks score in private rows
+  QueryRecorder      Record.QUERIES: each request's newest queries in a ring
+
+At a compaction the worker hands the policy a `StackContext` (one layer stack
+of one request), which gathers what the policy reads on first use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_kvevict.core.eviction.compaction import by_age
+from vllm_kvevict.core.eviction.plans import CompactionPlan, EvictionStep
+from vllm_kvevict.core.layouts.layer_stack import LayerCache, LayerStack
+from vllm_kvevict.core.policies import Record
+from vllm_kvevict.core.scoring.decode_log import StepPlacement
+from vllm_kvevict.core.scoring.scores import accumulate_scores
+
+
+class Recorder:
+    """Record.NOTHING: the policy scores from the cache itself (or by age)."""
+
+    scoring = False  # scores with the kernels every step (the worker logs their CPU path)
+    fuses_decode = False  # an all-decode step may run attention + recording in one kernel
+
+    def __init__(self, state: "WorkerEviction") -> None:
+        self.state = state
+
+    def score_slots(self, slots: int) -> int:
+        """Columns of a layer's score buffer for a cache of `slots` slots (0: none)."""
+        return 0
+
+    def begin_step(self, step: EvictionStep) -> None:
+        """At the step's start, after released requests were dropped and before
+        any compaction: bring what is recorded up to date."""
+
+    def places(self, may_defer: bool) -> bool:
+        """Whether this step's queries get a placement from the builder
+        (`place`); may_defer: the backend lets queries wait in the logs (CPU)."""
+        return False
+
+    def place(self, req_ids: list[str], q_lens: list[int], seq_lens: list[int],
+              logical_seq_lens: list[int], scored: list[bool] | None) -> StepPlacement | None:
+        """Once per step, from the builder: where each layer keeps this step's
+        queries. seq_lens physical, logical_seq_lens logical, after the step."""
+        return None
+
+    def zero_new_slots(self, slot_mapping: torch.Tensor, num_tokens: int) -> None:
+        """New tokens start with zero recorded importance, whatever their slot held."""
+
+    def record(self, layer: str, lc: LayerCache, query: torch.Tensor, kv_cache: torch.Tensor,
+               scale: float, attn_metadata, placement: StepPlacement | None,
+               rows: torch.Tensor | None, host) -> None:
+        """Per layer, after attention: record this step's `query` (num_tokens, H_q, D).
+        rows: (num_reqs,) bool rows to record (None: all); host: the step's HostLens."""
+
+    def compacted(self, req_id: str, recent: int) -> None:
+        """The request kept only its `recent` newest tokens in order at the end."""
+
+
+class AttentionRecorder(Recorder):
+    """Record.ATTENTION (H2O): softmax over the resident keys, summed over the
+    query heads of each GQA group, added per slot (core/scoring/scores.py)."""
+
+    scoring = True
+    fuses_decode = True
+
+    def score_slots(self, slots: int) -> int:
+        return slots
+
+    def begin_step(self, step: EvictionStep) -> None:
+        state = self.state
+        for req_id, n in step.shared_prefix.items():
+            if req_id not in state.unscored:
+                state.private.open(req_id, n)
+        # Score what waits for requests about to move.
+        state.chunk_log.flush(state._stacks(), state._block_ids, state._private_of)
+        state.decode_log.flush([p.req_id for p in step.plans], state._stacks(),
+                               state._block_ids, state._private_of)
+
+    def places(self, may_defer: bool) -> bool:
+        return may_defer  # CUDA scores every query in its own step
+
+    def place(self, req_ids, q_lens, seq_lens, logical_seq_lens, scored):
+        state = self.state
+        if state.decode_log.full():
+            state.decode_log.flush_all(state._stacks(), state._block_ids, state._private_of)
+        placement = state.decode_log.place(req_ids, q_lens, seq_lens, scored)
+        placement.defer(state.chunk_log.place(req_ids, q_lens, seq_lens, scored), q_lens, scored)
+        return placement
+
+    def zero_new_slots(self, slot_mapping: torch.Tensor, num_tokens: int) -> None:
+        state = self.state
+        if not state.layers:
+            return  # no layer yet: its score buffer will be made zeroed
+        slots = slot_mapping[:num_tokens].long()
+        for st in state._stacks():
+            per_layer = st.num_blocks * state.block_size
+            cols = slots[None] + per_layer * torch.arange(st.num_layers, device=slots.device)[:, None]
+            st.scores.index_fill_(1, cols.flatten(), 0.0)
+
+    def record(self, layer, lc, query, kv_cache, scale, attn_metadata, placement, rows, host):
+        state = self.state
+        if placement is not None:
+            state.decode_log.record(layer, query, placement, scale)
+            if placement.deferred is not None:  # scored at the next step's start
+                state.chunk_log.record(layer, query, scale)
+                rows = ~placement.deferred if rows is None else rows & ~placement.deferred
+            if not placement.score_now:  # every row logged, deferred or unscored
+                return  # (the builder zeroed the new slots: zero_new_slots)
+        key_cache, _ = lc.layout.split(kv_cache)
+        accumulate_scores(lc.scores, lc.layout, key_cache, query,
+                          attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                          attn_metadata.block_table, attn_metadata.slot_mapping, scale,
+                          decode=placement is None, rows=rows,
+                          query_start_loc_cpu=host.query_start_loc, seq_lens_cpu=host.seq_lens,
+                          private=state.private_rows(layer, lc,
+                                                 attn_metadata.query_start_loc.shape[0] - 1))
+
+
+class QueryRecorder(Recorder):
+    """Record.QUERIES (SnapKV, AnDPro): the newest `--kv-window` queries of
+    every request, one `index_copy_` per layer and step
+    (core/scoring/query_window.py)."""
+
+    scoring = True
+
+    def places(self, may_defer: bool) -> bool:
+        return True
+
+    def place(self, req_ids, q_lens, seq_lens, logical_seq_lens, scored):
+        return self.state.query_window.place(req_ids, q_lens, logical_seq_lens, scored)
+
+    def record(self, layer, lc, query, kv_cache, scale, attn_metadata, placement, rows, host):
+        if placement is not None:
+            self.state.query_window.record(layer, query, placement, scale)
+
+    def compacted(self, req_id: str, recent: int) -> None:
+        self.state.query_window.compacted(req_id, recent)
+
+
+RECORDERS: dict[Record, type[Recorder]] = {
+    Record.NOTHING: Recorder, Record.ATTENTION: AttentionRecorder, Record.QUERIES: QueryRecorder,
+}
+
+
+class StackContext:
+    """`CompactionContext` of one layer stack of one request: what the policy
+    may read, gathered on first use and in age order (oldest first).
+
+    rows: (L, H, old_len) slot of each token by age (None: slot order is age
+    order); src_rows (L, n_src) the stack's block rows of the request's old
+    blocks, src_slots (L, old_len) their slots; private (L, H, n) the request's
+    private scores of its shared first tokens, or None."""
+
+    def __init__(self, state: "WorkerEviction", plan: CompactionPlan, st: LayerStack,
+                 rows: torch.Tensor | None, src_rows: torch.Tensor, src_slots: torch.Tensor,
+                 private: torch.Tensor | None) -> None:
+        self.state, self.plan, self.st = state, plan, st
+        self.rows, self.src_rows, self.src_slots, self.private = rows, src_rows, src_slots, private
+        self.num_layers, self.num_kv_heads = st.num_layers, st.layout.num_kv_heads
+        self.old_len, self.new_len, self.recent = plan.old_len, plan.new_len, plan.recent
+        self.device = st.kv_cache.device
+        self._k = self._v = None
+        self._window: tuple | None = None
+        self._window_read = False
+
+    def _gather(self, values: bool) -> torch.Tensor:
+        st, n = self.st, self.src_rows.shape[1]
+        kc, vc = st.layout.split(st.kv_cache)
+        x = (st.layout.gather_values(vc, self.src_rows, n) if values
+             else st.layout.gather_keys(kc, self.src_rows, n))
+        return by_age(x[:, :, : self.old_len], self.rows)
+
+    def keys(self) -> torch.Tensor:
+        if self._k is None:
+            self._k = self._gather(values=False)
+        return self._k
+
+    def values(self) -> torch.Tensor:
+        if self._v is None:
+            self._v = self._gather(values=True)
+        return self._v
+
+    def accumulated(self) -> torch.Tensor:
+        if not self.st.scores.shape[1]:
+            raise RuntimeError(f"policy {self.state.policy.name!r} reads accumulated attention "
+                               "but does not record it: declare records = Record.ATTENTION")
+        scores = by_age(self.st.scores[:, self.src_slots].transpose(0, 1), self.rows)
+        if self.private is not None:  # never compacted yet: slot order is age order
+            assert self.rows is None
+            n = min(self.private.shape[2], self.old_len)
+            scores[..., :n] = self.private[..., :n]
+        return scores
+
+    def window(self) -> tuple[torch.Tensor, float] | None:
+        if not self._window_read:
+            self._window_read = True
+            self._window = self.state.query_window.window(self.plan.req_id, self.st.names,
+                                                          self.plan.logical_len)
+            if self._window is None:
+                self.state.num_windowless += 1
+        return self._window
