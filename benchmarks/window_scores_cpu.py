@@ -15,7 +15,6 @@ paths the CPU lacks are left out. torch.set_num_threads(1).
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import platform
 import statistics
@@ -41,12 +40,8 @@ def median_ms(fns: dict, reps: int) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def torch_scores(kind: str):
-    """raw_scores_torch for `kind`, whichever of its signatures is checked out."""
-    from vllm_kvevict.core.scoring.window_scores import raw_scores_torch
-
-    if "kind" in inspect.signature(raw_scores_torch).parameters:
-        return lambda q, k, v, s: raw_scores_torch(kind, q, k, v, s)
+def torch_scores(kind: str, raw_scores_torch):
+    """The float32 torch path of `kind` (window_scores.raw_scores_torch)."""
     return lambda q, k, v, s: raw_scores_torch(q, k, v, s, projection=kind == "andpro")
 
 
@@ -59,6 +54,7 @@ def main(argv=None) -> int:
 
     from vllm_kvevict import cpu_kernel
     from vllm_kvevict.core.eviction.kernel_dispatch import cpu_path
+    from vllm_kvevict.core.scoring.window_scores import raw_scores_torch
 
     mod = cpu_kernel.module()
     if mod is None:
@@ -74,7 +70,7 @@ def main(argv=None) -> int:
         k = torch.randn(B, H, n, D, generator=gen).bfloat16()
         v = torch.randn(B, H, n, D, generator=gen).bfloat16()
         for kind in ("andpro", "snapkv"):
-            ref = torch_scores(kind)
+            ref = torch_scores(kind, raw_scores_torch)
             fns = {"torch": lambda: ref(q, k, v, D ** -0.5)}
             for isa in paths:
                 fns[isa] = lambda isa=isa: kernels[kind](q, k, v, D ** -0.5, isa)

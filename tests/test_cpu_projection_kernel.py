@@ -1,6 +1,6 @@
 """AnDPro's window scores in the compiled CPU kernel
 (`cpu_kernel.window_projection_sums`, vllm_kvevict/cpu_kernel/window_projection.h)
-against the torch float32 path, `window_scores.raw_scores_torch` (AnDPro kind),
+against the torch float32 path, `window_scores.raw_scores_torch` (`projection=True`),
 and a float64 reference, on every instruction path this CPU has.
 
 The avx2 path runs on any x86 CI machine (VLLM_KVEVICT_CPU_ISA=avx2 forces it in
@@ -14,7 +14,6 @@ precision table's AnDPro row):
 and after `finalize` the kept sets (top-k per (layer, head)) of the kernel and of
 torch overlap by at least the floors below.
 """
-import inspect
 
 import pytest
 import torch
@@ -38,10 +37,7 @@ def _isas():
 
 
 def _torch_andpro(q, k, v, scale):
-    """raw_scores_torch for AnDPro, whichever of its two signatures is checked out
-    (kind first, or `projection=True`)."""
-    if "kind" in inspect.signature(raw_scores_torch).parameters:
-        return raw_scores_torch("andpro", q, k, v, scale)
+    """The float32 torch path (the Triton kernel's reference too)."""
     return raw_scores_torch(q, k, v, scale, projection=True)
 
 
@@ -205,9 +201,6 @@ def test_the_kernel_runs_where_the_dispatcher_sends_it(forced, monkeypatch):
     assert e_norm < TOL[isa][0] and e_max < TOL[isa][1]
 
 
-@pytest.mark.xfail(strict=True, reason="window_scores' AnDPro path does not call the kernel yet "
-                                       "(wiring: cpu_projection_isa + window_projection_sums); "
-                                       "remove this mark when it does")
 def test_window_scores_andpro_runs_the_kernel(monkeypatch):
     mod = cpu_kernel.module()
     if mod is None:
@@ -220,8 +213,7 @@ def test_window_scores_andpro_runs_the_kernel(monkeypatch):
     calls = []
     real = mod.window_projection_sums
     monkeypatch.setattr(mod, "window_projection_sums", lambda *a: calls.append(a[-1]) or real(*a))
-    entry = getattr(window_scores, "value_projection", None)
-    got = entry(q, k, v, 0.125) if entry else window_scores.raw_scores("andpro", q, k, v, 0.125)
+    got = window_scores.value_projection(q, k, v, 0.125)
     assert calls == [isa]
     e_norm, _ = _errors(got, _torch_andpro(q, k, v, 0.125))
     assert e_norm < TOL[isa][0]

@@ -35,7 +35,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm_kvevict.core.eviction.kernel_dispatch import cpu_kernel_isa, triton_module, use_triton
+from vllm_kvevict.core.eviction.kernel_dispatch import (cpu_kernel_isa, cpu_projection_isa,
+                                                        triton_module, use_triton)
 
 POOL_KERNEL = 7  # AnDPro appendix B.3 (and SnapKV's kernel for max pooling)
 CHUNK = 4  # AnDPro section 3.4 / Algorithm 1 chunk size
@@ -86,11 +87,16 @@ def attention_sums(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tens
 def value_projection(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """(B, H, n) float32 AnDPro raw scores: sum_{g,t} a[t, i] <y_t, v_i>. The
-    Triton kernel where `kernel_dispatch` picks it (CUDA), else torch (the
-    compiled CPU kernel has no projection)."""
+    Triton kernel where `kernel_dispatch` picks it (CUDA), the compiled CPU
+    kernel where it picks that (`cpu_projection_isa`: AMX, bf16), else torch."""
     if use_triton(q):
         return triton_module("window").window_raw_scores(q.to(k.dtype), k, v, scale,
                                                          projection=True)
+    isa = cpu_projection_isa(q, k, v)
+    if isa is not None:
+        from vllm_kvevict import cpu_kernel
+
+        return cpu_kernel.window_projection_sums(q, k, v, scale, isa)
     return raw_scores_torch(q, k, v, scale, projection=True)
 
 
