@@ -39,7 +39,7 @@ def _row(name="x", **over):
 @pytest.mark.parametrize("bad, words", [
     ({"kv_usage_idle": 0.02}, "pool not whole"),
     ({"running_idle": 1}, "pool not whole"),
-    ({"mixed": [3]}, "another's code"),
+    ({"mixed": [3]}, "another request's code"),
     ({"failed": 1, "errors": ["boom"]}, "requests failed"),
 ])
 def test_load_checks_fail_on_a_bad_row(bad, words):

@@ -186,20 +186,27 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def run_failures(label: str, row: dict, usage_start: float = 0) -> list[str]:
+    """What every load run must leave behind (the load and soak harnesses):
+    the pool back to `usage_start` and nothing running once idle, no request
+    holding another's code, no request failed."""
+    bad = []
+    if row["kv_usage_idle"] != usage_start or row["running_idle"] != 0:
+        bad.append(f"{label}: pool not whole once idle (usage {row['kv_usage_idle']}, "
+                   f"running+waiting {row['running_idle']})")
+    if row["mixed"]:
+        bad.append(f"{label}: requests {row['mixed']} contain another request's code")
+    if row["failed"]:
+        bad.append(f"{label}: {row['failed']} requests failed: {row['errors']}")
+    return bad
+
+
 def checks(rows: list[dict]) -> list[str]:
     """Each row's own checks (pool whole once idle, nothing mixed, nothing
     failed); given two or more rows, also the first (stock) against the last
     (the plugin): the plugin may match its solo output at most 10 points less
     often than stock. One row has nothing to compare with."""
-    failures = []
-    for r in rows:
-        if r["kv_usage_idle"] != 0 or r["running_idle"] != 0:
-            failures.append(f"{r['server']}: pool not whole once idle "
-                            f"(usage {r['kv_usage_idle']}, running {r['running_idle']})")
-        if r["mixed"]:
-            failures.append(f"{r['server']}: requests {r['mixed']} contain another's code")
-        if r["failed"]:
-            failures.append(f"{r['server']}: {r['failed']} requests failed: {r['errors']}")
+    failures = [f for r in rows for f in run_failures(r["server"], r)]
     if len(rows) < 2:
         return failures
     stock, plugin = rows[0], rows[-1]

@@ -203,14 +203,8 @@ def run_phase(name: str, srv: Server, reqs: list[dict], wave: int = 48,
 
 def checks(row: dict) -> list[str]:
     """What must hold after every phase; an empty list when it does."""
-    p, bad = row["phase"], []
-    if row["kv_usage_idle"] != row["kv_usage_start"] or row["running_idle"] != 0:
-        bad.append(f"{p}: pool not whole once idle (usage {row['kv_usage_idle']}, "
-                   f"running+waiting {row['running_idle']})")
-    if row["mixed"]:
-        bad.append(f"{p}: requests {row['mixed']} contain another request's code")
-    if row["failed"]:
-        bad.append(f"{p}: {row['failed']} requests failed: {row['errors']}")
+    p = row["phase"]
+    bad = load.run_failures(p, row, row["kv_usage_start"])
     if row["churn"] and row["churn"]["errors"]:
         bad.append(f"{p}: schema churn: {row['churn']['errors'][:3]}")
     if "schema_removed" in row and (row["schema_removed"] != 200
