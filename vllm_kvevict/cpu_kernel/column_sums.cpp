@@ -201,10 +201,12 @@ void pack_bf16(const Work& w, int64_t r, int64_t h, int64_t n, uint16_t* out) {
 
 // Logits of ROWS query rows against NC chunks of 16 packed keys:
 // out[j * ld + c * 16 + i] = q_j . k_(c*16+i) (unscaled). Each key vector loaded
-// serves ROWS rows and each broadcast query pair NC chunks.
+// serves ROWS rows and each broadcast query pair NC chunks. With `lo` (not
+// null), each query is the sum of two bf16 operands, qp + lo, accumulated in
+// float32 (window_projection.h: a float32 value as a hi + lo bf16 pair).
 template <int NC>
 inline void dot_bf16(const uint16_t* kc, const int32_t* qp, int64_t hp, float* out,
-                     int64_t ld) {
+                     int64_t ld, const int32_t* lo = nullptr) {
   __m512 acc[ROWS][NC];
   for (int j = 0; j < ROWS; ++j)
     for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_setzero_ps();
@@ -214,6 +216,10 @@ inline void dot_bf16(const uint16_t* kc, const int32_t* qp, int64_t hp, float* o
     for (int j = 0; j < ROWS; ++j) {
       const __m512bh qv = (__m512bh)_mm512_set1_epi32(qp[j * hp + p]);
       for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_dpbf16_ps(acc[j][c], qv, kv[c]);
+      if (lo != nullptr) {
+        const __m512bh lv = (__m512bh)_mm512_set1_epi32(lo[j * hp + p]);
+        for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_dpbf16_ps(acc[j][c], lv, kv[c]);
+      }
     }
   }
   for (int j = 0; j < ROWS; ++j)
@@ -416,7 +422,9 @@ inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-void softmax_into_256(float* l, int64_t vis, float* col) {
+// One row of raw (already scaled) logits over [0, vis): exp(l - max) in place;
+// returns 1 / their sum. Shared with window_projection.h's avx2 path.
+float exp_row_256(float* l, int64_t vis) {
   const int64_t full = vis / 8 * 8;
   __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < full; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(l + i));
@@ -431,7 +439,12 @@ void softmax_into_256(float* l, int64_t vis, float* col) {
   }
   float sum = hsum256(s);
   for (int64_t i = full; i < vis; ++i) sum += (l[i] = std::exp(l[i] - mx));
-  const float inv = 1.0f / sum;
+  return 1.0f / sum;
+}
+
+void softmax_into_256(float* l, int64_t vis, float* col) {
+  const int64_t full = vis / 8 * 8;
+  const float inv = exp_row_256(l, vis);
   const __m256 vinv = _mm256_set1_ps(inv);
   for (int64_t i = 0; i < full; i += 8)
     _mm256_storeu_ps(col + i, _mm256_fmadd_ps(_mm256_loadu_ps(l + i), vinv, _mm256_loadu_ps(col + i)));

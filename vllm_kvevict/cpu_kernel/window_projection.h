@@ -232,27 +232,6 @@ inline void av_bf16(const int32_t* ahi, const int32_t* alo, int64_t lda32, const
     for (int c = 0; c < NDC; ++c) _mm512_storeu_ps(y + j * d + (dc0 + c) * 16, acc[j][c]);
 }
 
-// Z = (Y_hi + Y_lo) V^T for ROWS rows and NC chunks of 16 packed keys, as
-// dot_bf16 with two query operands per dim pair: out[j * ld + c * 16 + i].
-template <int NC>
-inline void dot_bf16_hl(const uint16_t* kc, const int32_t* qhi, const int32_t* qlo, int64_t hp,
-                        float* out, int64_t ld) {
-  __m512 acc[ROWS][NC];
-  for (int j = 0; j < ROWS; ++j)
-    for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < hp; ++p) {
-    __m512bh kv[NC];
-    for (int c = 0; c < NC; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kc + c * 16 * 2 * hp + p * 32);
-    for (int j = 0; j < ROWS; ++j) {
-      const __m512bh h = (__m512bh)_mm512_set1_epi32(qhi[j * hp + p]);
-      const __m512bh l = (__m512bh)_mm512_set1_epi32(qlo[j * hp + p]);
-      for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[j][c], h, kv[c]), l, kv[c]);
-    }
-  }
-  for (int j = 0; j < ROWS; ++j)
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + j * ld + c * 16, acc[j][c]);
-}
-
 // An uninitialised array (every reader below reads only what was written first).
 template <typename T>
 struct Buf {
@@ -344,8 +323,8 @@ void proj_bf16(const ProjTask& p, int64_t bh, int64_t split, int64_t splits, flo
     for (int64_t c = 0; c < nc; c += 2) {  // 4. Z tiles and the products
       const int64_t nc2 = std::min<int64_t>(2, nc - c);
       for (int64_t half = 0; half < nb; half += ROWS) {
-        if (nc2 == 2) dot_bf16_hl<2>(b.vkeys.data() + c * 16 * d, yh + half * hp, yl + half * hp, hp, b.z.data() + half * 32, 32);
-        else dot_bf16_hl<1>(b.vkeys.data() + c * 16 * d, yh + half * hp, yl + half * hp, hp, b.z.data() + half * 32, 32);
+        if (nc2 == 2) dot_bf16<2>(b.vkeys.data() + c * 16 * d, yh + half * hp, hp, b.z.data() + half * 32, 32, yl + half * hp);
+        else dot_bf16<1>(b.vkeys.data() + c * 16 * d, yh + half * hp, hp, b.z.data() + half * 32, 32, yl + half * hp);
       }
       add_products_512(b.a.data() + c * 16, b.n32, b.z.data(), 32, nb, nc2 * 16, col + c * 16);
     }
@@ -438,20 +417,7 @@ struct ProjTaskF {
 // in place; [vis, end) zero (end a multiple of 8).
 void softmax_row_256(float* l, int64_t vis, int64_t end) {
   const int64_t full = vis / 8 * 8;
-  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < full; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(l + i));
-  float mx = hmax256(m);
-  for (int64_t i = full; i < vis; ++i) mx = std::max(mx, l[i]);
-  const __m256 vmx = _mm256_set1_ps(mx);
-  __m256 s = _mm256_setzero_ps();
-  for (int64_t i = 0; i < full; i += 8) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(l + i), vmx));
-    _mm256_storeu_ps(l + i, e);
-    s = _mm256_add_ps(s, e);
-  }
-  float sum = hsum256(s);
-  for (int64_t i = full; i < vis; ++i) sum += (l[i] = std::exp(l[i] - mx));
-  const float inv = 1.0f / sum;
+  const float inv = exp_row_256(l, vis);
   const __m256 vinv = _mm256_set1_ps(inv);
   for (int64_t i = 0; i < full; i += 8) _mm256_storeu_ps(l + i, _mm256_mul_ps(_mm256_loadu_ps(l + i), vinv));
   for (int64_t i = full; i < vis; ++i) l[i] *= inv;
