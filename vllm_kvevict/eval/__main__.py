@@ -25,6 +25,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # vLLM's per-engine INFO lines (dozens per engine) would bury the progress bars.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
+from vllm_kvevict.core.config.settings import EvictionConfig
 from vllm_kvevict.eval import tasks as T
 from vllm_kvevict.passages import TextsMissing
 
@@ -84,7 +85,8 @@ def run(args, save=None, meta=None) -> list[dict]:
     rows: list[dict] = []
     for model in _list(args.models) or DEFAULT_MODELS[args.config]:
         mdir = model_dir(model)
-        if any(p == "infinigen" for p, _ in engines):
+        if any(p != "none" and EvictionConfig.from_dict({"kv_eviction": p}).offload
+               for p, _ in engines):
             # Offload engines need the model's skewing file, which serving never
             # computes: the offline command's function, once.
             from vllm_kvevict.calibrate import calibrate

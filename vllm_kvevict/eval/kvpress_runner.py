@@ -276,16 +276,17 @@ def make_press(policy: str, budget: float, *, window: int, kernel_size: int,
     from kvpress import CriticalKVPress, ObservedAttentionPress, SnapKVPress, StreamingLLMPress
 
     ratio = budget_to_compression_ratio(budget)
-    if policy == "h2o":
-        return ObservedAttentionPress(compression_ratio=ratio)
-    if policy == "snapkv":
-        return SnapKVPress(compression_ratio=ratio, window_size=window, kernel_size=kernel_size)
-    if policy == "streaming":
-        return StreamingLLMPress(compression_ratio=ratio, n_sink=n_sink)
-    if policy == "andpro":
-        return CriticalKVPress(SnapKVPress(compression_ratio=ratio, window_size=window,
-                                           kernel_size=kernel_size))
-    raise ValueError(f"no press for policy {policy!r}")
+    snapkv = lambda: SnapKVPress(compression_ratio=ratio, window_size=window,  # noqa: E731
+                                 kernel_size=kernel_size)
+    presses = {  # our policy -> the press that implements the same paper (PRESS_NAMES)
+        "h2o": lambda: ObservedAttentionPress(compression_ratio=ratio),
+        "snapkv": snapkv,
+        "streaming": lambda: StreamingLLMPress(compression_ratio=ratio, n_sink=n_sink),
+        "andpro": lambda: CriticalKVPress(snapkv()),
+    }
+    if policy not in presses:
+        raise ValueError(f"no press for policy {policy!r}")
+    return presses[policy]()
 
 
 def describe_press(press) -> str | None:
