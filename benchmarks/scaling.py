@@ -52,7 +52,7 @@ Method
   their number:
     scoring     backend.score_step (per layer: store the step's queries, zero
                 new slots), DecodeQueryLog.flush (batched H2O scoring of the
-                logged queries, wherever called), WorkerEviction._window_scores
+                logged queries, wherever called), WorkerEviction._compaction_scores
     compaction  WorkerEviction._compact (select + gather/scatter of KV and
                 scores)
     bookkeeping WorkerEviction.begin_step / place_queries, backend.

@@ -19,7 +19,7 @@ from vllm_kvevict.core.layouts.layout import KVCacheLayout
 class LayerCache:
     kv_cache: torch.Tensor  # the backend's layer cache, e.g. CPU (NB, H, BS, 2 * D)
     layout: KVCacheLayout  # KVLayout (CPU) or NHDLayout (FlashAttention)
-    scores: torch.Tensor  # (H, num_blocks * BS) float32; (H, 0) without needs_scores
+    scores: torch.Tensor  # (H, num_blocks * BS) float32; (H, 0) unless the recorder keeps one
 
 
 @dataclass
