@@ -285,28 +285,32 @@ def test_bad_moves_are_refused_before_anything_is_written():
 
 
 def test_logged_queries_land_where_the_torch_path_puts_them(monkeypatch):
-    """The decode log's store (store_queries) through the kernel's copy_rows
-    equals index_copy_, for a strided query view like vLLM's (a slice of the
-    fused qkv output); a cell outside the buffer is refused."""
-    from vllm_kvevict.core.scoring.decode_log import StepPlacement, store_queries
+    """The query logs' store (QueryBuffers) through the kernel's copy_rows, held
+    by reference and stored for every layer in one call at the first read,
+    equals index_copy_ at once, for strided query views like vLLM's (slices of
+    the fused qkv output); a cell outside the buffer is refused."""
+    from vllm_kvevict.core.scoring.decode_log import StepPlacement
+    from vllm_kvevict.core.scoring.query_buffers import QueryBuffers
 
     mod = cpu_kernel.module()
     if mod is None:
         pytest.fail("the CPU kernel is not built: scripts/setup.sh builds it")
-    qkv = torch.randn(6, 15 * 64).to(torch.bfloat16)
-    query = qkv[:, : 9 * 64].view(6, 9, 64)  # row stride 960, not 576
+    gen = torch.Generator().manual_seed(3)
+    qkv = [torch.randn(6, 15 * 64, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    queries = [x[:, : 9 * 64].view(6, 9, 64) for x in qkv]  # row stride 960, not 576
     calls = []
     real = mod.copy_rows
-    monkeypatch.setattr(mod, "copy_rows", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(mod, "copy_rows", lambda *a: calls.append(len(a[0])) or real(*a))
     got = {}
     for mode in ("auto", "torch"):
         monkeypatch.setenv("VLLM_KVEVICT_KERNELS", mode)
         # the path is looked up once per step, when the placement is made
         placement = StepPlacement(torch.arange(6), torch.tensor([3, 40, 7, 12, 63, 0]))
-        queries = {}
-        store_queries(queries, "layer.0", query, placement, rows=2, cols=32)
-        got[mode] = queries["layer.0"]
-    assert calls == [1]
+        bufs = QueryBuffers(cols=32)
+        for i, q in enumerate(queries):
+            bufs.hold(f"layer.{i}", q, placement, rows=2, scale=0.125)
+        got[mode] = torch.stack([bufs[f"layer.{i}"] for i in range(3)])
+    assert calls == [3]  # one call, every layer
     assert got["auto"].abs().sum() > 0 and torch.equal(got["auto"], got["torch"])
     with pytest.raises(RuntimeError, match="outside dst"):
-        real(got["auto"].view(-1, 9 * 64), torch.tensor([64 * 8]), query[:1].flatten(1))
+        real([got["auto"][0].view(-1, 9 * 64)], torch.tensor([64 * 8]), [queries[0][:1].flatten(1)])

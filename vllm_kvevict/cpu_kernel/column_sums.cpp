@@ -645,7 +645,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("move_tokens", &token_moves::move_tokens,
         "move tokens (and their scores) between slots of the paged CPU cache, any layout");
   m.def("copy_blocks", &token_moves::copy_blocks, "copy whole blocks of the paged CPU cache, as packed");
-  m.def("copy_rows", &token_moves::copy_rows, "dst[cells[i]] = src[i], one memcpy per row");
+  m.def("copy_rows", &token_moves::copy_rows,
+        "dsts[l][cells[i]] = srcs[l][i] for every pair l, one memcpy per row");
   m.def("window_projection_sums", &window_projection_sums,
         "AnDPro's window scores: sum over the window of a[t, i] * <y_t, v_i>, y = A V");
   m.def("supports", &supports, "whether this CPU runs the named path (avx512bf16 | avx2)");

@@ -116,23 +116,32 @@ void copy_blocks(at::Tensor key_cache, at::Tensor value_cache, const at::Tensor&
   }
 }
 
-// dst[cells[i]] = src[i] for rows of a 2-D view each (a row's elements
-// contiguous): the decode log's per-layer store of a step's queries. One memcpy
-// per row; torch's index_copy_ moved these element by element, and each step
-// writes cache lines not touched since the log's last flush.
-void copy_rows(at::Tensor dst, const at::Tensor& cells, const at::Tensor& src) {
-  TORCH_CHECK(dst.dim() == 2 && src.dim() == 2 && dst.size(1) == src.size(1) &&
-              dst.stride(1) == 1 && src.stride(1) == 1 && dst.scalar_type() == src.scalar_type(),
-              "dst (N, E), src (M, E): one dtype, rows contiguous");
-  TORCH_CHECK(cells.scalar_type() == at::kLong && cells.is_contiguous() && cells.numel() == src.size(0),
-              "cells: contiguous int64, one per src row");
-  const int64_t n = cells.numel(), rows = dst.size(0), bytes = dst.size(1) * dst.element_size();
+// dsts[l][cells[i]] = srcs[l][i] for every pair l, rows of 2-D views (a row's
+// elements contiguous): a step's queries of every layer stored in the query
+// logs at once (core/scoring/query_buffers.py). One memcpy per row; torch's
+// index_copy_ moved these element by element, one call per layer.
+void copy_rows(std::vector<at::Tensor> dsts, const at::Tensor& cells,
+               const std::vector<at::Tensor>& srcs) {
+  TORCH_CHECK(dsts.size() == srcs.size(), "as many dst as src tensors");
+  TORCH_CHECK(cells.scalar_type() == at::kLong && cells.is_contiguous(), "cells: contiguous int64");
+  const int64_t n = cells.numel();
   const int64_t* c = cells.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(c[i] >= 0 && c[i] < rows, "cell ", c[i], " outside dst");
-  char* d = static_cast<char*>(dst.data_ptr());
-  const char* s = static_cast<const char*>(src.data_ptr());
-  const int64_t ds = dst.stride(0) * dst.element_size(), ss = src.stride(0) * src.element_size();
-  for (int64_t i = 0; i < n; ++i) std::memcpy(d + c[i] * ds, s + i * ss, bytes);
+  for (size_t l = 0; l < dsts.size(); ++l) {  // everything checked before anything is written
+    const at::Tensor &dst = dsts[l], &src = srcs[l];
+    TORCH_CHECK(dst.dim() == 2 && src.dim() == 2 && dst.size(1) == src.size(1) &&
+                dst.stride(1) == 1 && src.stride(1) == 1 && dst.scalar_type() == src.scalar_type(),
+                "dst (N, E), src (M, E): one dtype, rows contiguous");
+    TORCH_CHECK(src.size(0) == n, "cells: one per src row");
+    for (int64_t i = 0; i < n; ++i) TORCH_CHECK(c[i] >= 0 && c[i] < dst.size(0), "cell ", c[i], " outside dst");
+  }
+  for (size_t l = 0; l < dsts.size(); ++l) {
+    const at::Tensor &dst = dsts[l], &src = srcs[l];
+    const int64_t bytes = dst.size(1) * dst.element_size();
+    char* d = static_cast<char*>(dst.data_ptr());
+    const char* s = static_cast<const char*>(src.data_ptr());
+    const int64_t ds = dst.stride(0) * dst.element_size(), ss = src.stride(0) * src.element_size();
+    for (int64_t i = 0; i < n; ++i) std::memcpy(d + c[i] * ds, s + i * ss, bytes);
+  }
 }
 
 }  // namespace token_moves

@@ -18,7 +18,7 @@ and dropped for a request whose blocks were freed (finished, aborted,
 preempted: its blocks may already hold another request's KV) or that is
 prefilled again.
 
-    queries[layer]: (capacity, depth, H_q, D) cache dtype
+    queries[layer]: (capacity, depth, H_q, D) query dtype (query_buffers.py)
     visible:        (capacity, depth) int64, 0 = empty
 """
 
@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from vllm_kvevict.core.eviction.kernel_dispatch import cpu_copier
+from vllm_kvevict.core.scoring.query_buffers import QueryBuffers
 from vllm_kvevict.core.scoring.scores import score_queries
 
 
@@ -50,7 +51,7 @@ class StepPlacement:
     # unscored). False: the layers only log queries and zero the new slots.
     score_now: bool = True
     # The compiled CPU kernel's module, whose copy_rows stores the queries of
-    # CPU buffers, or None (torch): looked up once per step, not per layer.
+    # CPU buffers (query_buffers.py), or None (torch): looked up once per step.
     copier: Any = field(default_factory=cpu_copier)
 
     def defer(self, deferred: torch.Tensor | None, q_lens: list[int],
@@ -66,31 +67,6 @@ def free_row(row_of: dict[str, int]) -> int:
     """The lowest buffer row no request holds."""
     used = set(row_of.values())
     return next(i for i in range(len(row_of) + 1) if i not in used)
-
-
-def store_queries(queries: dict[str, torch.Tensor], layer: str, query: torch.Tensor,
-                  placement: StepPlacement, rows: int, cols: int) -> None:
-    """Copy this step's placed queries into the layer's (R, cols, H_q, D) buffer,
-    grown (by doubling) to at least `rows` rows. query: (num_tokens, H_q, D).
-    Shared by the decode log and the snapkv/andpro query window."""
-    buf = queries.get(layer)
-    if buf is None or buf.shape[0] < rows:
-        old = 0 if buf is None else buf.shape[0]
-        grown = query.new_zeros(max(8, 2 * old, rows), cols, *query.shape[1:])
-        if buf is not None:
-            grown[:old] = buf
-        queries[layer] = buf = grown
-    n = placement.tokens.numel()
-    if not n:
-        return
-    # Placed token indices are distinct and increasing, so placing all of
-    # them means all in order (a decode-only step): no gather needed.
-    src = query if n == query.shape[0] else query[placement.tokens.to(query.device)]
-    if placement.copier is not None and buf.device.type == "cpu":  # one memcpy per query
-        placement.copier.copy_rows(buf.view(buf.shape[0] * cols, -1), placement.cells,
-                                   src.flatten(1))
-    else:  # index_copy_ on the flat (row, column) axis
-        buf.view(-1, *buf.shape[2:]).index_copy_(0, placement.cells.to(buf.device), src)
 
 
 def score_logged(stacks: list, req_ids: list[str], blocks: list[list[int]],
@@ -140,8 +116,7 @@ class DecodeQueryLog:
         self.row_of: dict[str, int] = {}
         self.count: dict[str, int] = {}
         self.visible = torch.zeros(0, depth, dtype=torch.int64)
-        self.queries: dict[str, torch.Tensor] = {}
-        self.scale: dict[str, float] = {}
+        self.queries = QueryBuffers(depth)
 
     # --- bookkeeping (once per step) -----------------------------------------
 
@@ -195,8 +170,7 @@ class DecodeQueryLog:
     def record(self, layer: str, query: torch.Tensor, placement: StepPlacement,
                scale: float) -> None:
         """query: (num_tokens, H_q, D) of this step."""
-        store_queries(self.queries, layer, query, placement, self.visible.shape[0], self.depth)
-        self.scale[layer] = scale
+        self.queries.hold(layer, query, placement, self.visible.shape[0], scale)
 
     # --- flush -----------------------------------------------------------------
 
@@ -221,7 +195,7 @@ class DecodeQueryLog:
         nq = max(self.count[r] for r in ids)
         score_logged(stacks, ids, [blocks[r] for r in ids], self.visible[rows, :nq],
                      lambda name: None if name not in self.queries
-                     else self.queries[name][rows, :nq], self.scale, private_of)
+                     else self.queries[name][rows, :nq], self.queries.scale, private_of)
         self.visible[rows] = 0
         for r in ids:
             self.count[r] = 0

@@ -6,7 +6,7 @@ the step that computes it, so every step copies the queries of each request's
 newest tokens (at most `size` per request) into a ring; at a compaction the
 worker reads the request's window back in token order.
 
-    queries[layer]: (capacity, size, H_q, D) query dtype
+    queries[layer]: (capacity, size, H_q, D) query dtype (query_buffers.py)
     the token at logical position p of the request in row r sits at [r, p % size]
     end[req]:   logical position one past the newest logged token
     count[req]: tokens logged since the ring row was (re)started, capped at size
@@ -28,7 +28,8 @@ from collections.abc import Iterable
 
 import torch
 
-from vllm_kvevict.core.scoring.decode_log import StepPlacement, free_row, store_queries
+from vllm_kvevict.core.scoring.decode_log import StepPlacement, free_row
+from vllm_kvevict.core.scoring.query_buffers import QueryBuffers
 
 
 class QueryWindow:
@@ -39,8 +40,7 @@ class QueryWindow:
         self.count: dict[str, int] = {}
         self.tail: dict[str, int] = {}
         self.capacity = 0
-        self.queries: dict[str, torch.Tensor] = {}
-        self.scale: dict[str, float] = {}
+        self.queries = QueryBuffers(size)
 
     def _row(self, req_id: str) -> int:
         row = self.row_of.get(req_id)
@@ -95,8 +95,7 @@ class QueryWindow:
     def record(self, layer: str, query: torch.Tensor, placement: StepPlacement,
                scale: float) -> None:
         """query: (num_tokens, H_q, D) of this step."""
-        store_queries(self.queries, layer, query, placement, self.capacity, self.size)
-        self.scale[layer] = scale
+        self.queries.hold(layer, query, placement, self.capacity, scale)
 
     # --- at a compaction -------------------------------------------------------
 
@@ -113,4 +112,4 @@ class QueryWindow:
             return None
         cols = torch.arange(logical_len - k, logical_len) % self.size
         q = torch.stack([self.queries[name][row] for name in layers])  # (L, size, H_q, D)
-        return q[:, cols.to(q.device)], self.scale[layers[0]]
+        return q[:, cols.to(q.device)], self.queries.scale[layers[0]]

@@ -1,0 +1,104 @@
+"""Per-layer buffers of logged queries: the decode log's (H2O) and the query
+window's (SnapKV, AnDPro).
+
+    buffers[layer]: (R, cols, H_q, D) query dtype; a query's cell is row * cols + col
+
+Each layer's attention hands over its step's queries (`hold`, with the step's
+`StepPlacement`: which tokens go to which cells). Where the compiled CPU kernel
+copies them, they are not copied then: the layer's query tensor is kept by
+reference, and every layer's queries are copied into place at once, in one
+call, before anything reads the buffers (`commit`, run by every read and by
+the next step's first `hold`). A copy per layer in the forward cost far more
+than its bytes (a kernel call and a few tensor views, each time with the
+caches cold from the layer's matrix products).
+
+Holding a query by reference is safe because nothing writes it after
+attention: it is the model's own post-RoPE tensor (on the CPU backend, a slice
+of the layer's fresh qkv output, which the model drops after the layer, and
+which our reference keeps from being reused). Inference tensors carry no
+version counter to check this at run time; the engine tests that hold H2O's
+and the window's kept sets to dense references (tests/test_h2o_reference.py,
+tests/test_window_reference.py) would see a clobbered query. A mixed step's decode rows are gathered (copied) at once, so a long
+prefill chunk's qkv is never held. Elsewhere (CUDA, the torch path) each layer's
+queries are stored when handed over: a CUDA graph may reuse a layer's query
+memory later in the same step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class QueryBuffers:
+    def __init__(self, cols: int) -> None:
+        self.cols = cols
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.scale: dict[str, float] = {}
+        # Held, not yet stored: (layer, queries (N, H_q, D)), all of one step's
+        # placement, for buffers of `_rows` rows.
+        self._held: list[tuple[str, torch.Tensor]] = []
+        self._placement = None
+        self._rows = 0
+
+    # --- reads (each commits first) -------------------------------------------
+
+    def __contains__(self, layer: str) -> bool:
+        self.commit()
+        return layer in self._buffers
+
+    def __getitem__(self, layer: str) -> torch.Tensor:
+        self.commit()
+        return self._buffers[layer]
+
+    def __bool__(self) -> bool:
+        self.commit()
+        return bool(self._buffers)
+
+    # --- writes ---------------------------------------------------------------
+
+    def hold(self, layer: str, query: torch.Tensor, placement, rows: int, scale: float) -> None:
+        """This step's queries of one layer: query (num_tokens, H_q, D); the
+        buffers need `rows` rows for the placement's cells."""
+        if placement is not self._placement:
+            self.commit()  # the previous step's
+        self.scale[layer] = scale
+        n = placement.tokens.numel()
+        # Placed token indices are distinct and increasing, so placing all of
+        # them means all in order (a decode-only step): no gather needed.
+        src = query if n == query.shape[0] else query[placement.tokens.to(query.device)]
+        if placement.copier is None or query.device.type != "cpu":
+            self._store([(layer, src)], placement, rows)
+            return
+        self._held.append((layer, src))
+        self._placement, self._rows = placement, rows
+
+    def commit(self) -> None:
+        """Store every held query in its cell, for all layers in one call."""
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        self._store(held, self._placement, self._rows)
+
+    def _store(self, items: list[tuple[str, torch.Tensor]], placement, rows: int) -> None:
+        bufs = [self._buffer(layer, src, rows) for layer, src in items]
+        if not placement.tokens.numel():
+            return
+        cols = self.cols
+        if placement.copier is not None and bufs[0].device.type == "cpu":
+            # One memcpy per query row (vllm_kvevict/cpu_kernel/token_moves.h).
+            placement.copier.copy_rows([b.view(b.shape[0] * cols, -1) for b in bufs],
+                                       placement.cells, [src.flatten(1) for _, src in items])
+            return
+        for buf, (_, src) in zip(bufs, items):  # index_copy_ on the flat (row, column) axis
+            buf.view(-1, *buf.shape[2:]).index_copy_(0, placement.cells.to(buf.device), src)
+
+    def _buffer(self, layer: str, like: torch.Tensor, rows: int) -> torch.Tensor:
+        """The layer's buffer, grown (by doubling) to at least `rows` rows."""
+        buf = self._buffers.get(layer)
+        if buf is None or buf.shape[0] < rows:
+            old = 0 if buf is None else buf.shape[0]
+            grown = like.new_zeros(max(8, 2 * old, rows), self.cols, *like.shape[1:])
+            if buf is not None:
+                grown[:old] = buf
+            self._buffers[layer] = buf = grown
+        return buf
