@@ -236,7 +236,7 @@ GROUP_SECONDS = {"tensor_parallel": 342, "h2o_server": 236, "calibrated": 140,
                  "test_prompt_modules_server.py": 26, "test_prompt_modules_engines.py": 25,
                  "test_request_budget.py": 25, "test_prompt_modules_quality.py": 25,
                  "test_prompt_modules_server_limits.py": 23, "test_cpu_kernel.py": 20,
-                 "test_gpu_check.py": 17,
+                 "test_gpu_check.py": 17, "test_policy_extension.py": 45,
                  "test_triton_aot.py": 10,
                  "test_prompt_modules.py": 10, "test_triton_kernels.py": 7,
                  "test_skewing.py": 2, "test_import_graph.py": 2}

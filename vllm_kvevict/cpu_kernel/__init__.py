@@ -156,7 +156,7 @@ def window_projection_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
                            path_isa: str) -> torch.Tensor:
     """AnDPro's raw window scores from dense tensors: (B, w, H_q, D), (B, H, n, D)
     x2 -> (B, H, n) float32, s_i = sum_{g,t} a[t, i] <y_t, v_i> with y = A V
-    (as `core.scoring.window_scores.raw_scores_torch`, AnDPro's kind; causal on
+    (as `core.scoring.window_scores.raw_scores_torch(..., projection=True)`; causal on
     the window's own last w columns). The bf16 paths (amx, avx512bf16) take bf16
     q, k, v; avx2 takes any one of bf16 / fp16 / float32, mixed dtypes are
     widened to float32 here. Precision per path: window_projection.h."""
