@@ -25,7 +25,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # vLLM's per-engine INFO lines (dozens per engine) would bury the progress bars.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-from vllm_kvevict.core.config.settings import EvictionConfig
+from vllm_kvevict.core.config.flags import ALIASES
 from vllm_kvevict.eval import tasks as T
 from vllm_kvevict.passages import TextsMissing
 
@@ -85,8 +85,7 @@ def run(args, save=None, meta=None) -> list[dict]:
     rows: list[dict] = []
     for model in _list(args.models) or DEFAULT_MODELS[args.config]:
         mdir = model_dir(model)
-        if any(p != "none" and EvictionConfig.from_dict({"kv_eviction": p}).offload
-               for p, _ in engines):
+        if any(ALIASES.get(p, (p, False))[1] for p, _ in engines):  # an offload mode
             # Offload engines need the model's skewing file, which serving never
             # computes: the offline command's function, once.
             from vllm_kvevict.calibrate import calibrate
