@@ -75,11 +75,12 @@ REFERENCE = {"max_tokens": 150, "ignore_eos": True}  # prompt + 150 > 64: the pl
 MID_RUN_WITHIN = 120.0  # streams reach KILL_AFTER tokens
 STREAMS_END_WITHIN = 30.0
 SERVER_EXIT_WITHIN = 30.0
-# Alone the orphan goes within 5 s; in a clean-clone suite run (2 cores, both
-# xdist workers busy) the plugin's orphaned Worker and its resource tracker
-# were still there after 20 s, and left after the test. A process that never
-# exits still fails this bound.
-PROCESSES_GONE_WITHIN = 60.0
+# Alone the orphan goes within 5 s; in full suite runs (2 cores, both xdist
+# workers busy) the plugin's orphaned Worker and its resource tracker were
+# still there after 20 s (eighth session) and, once, after 60 s (ninth: only
+# this engine-core kill failed, and it passed alone and beside the TP tests),
+# and left after the test. A process that never exits still fails this bound.
+PROCESSES_GONE_WITHIN = 120.0
 
 
 class Stream(threading.Thread):
