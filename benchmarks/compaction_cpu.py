@@ -27,6 +27,7 @@ import time
 import torch
 
 from vllm_kvevict.core.eviction.compaction import fill_holes
+from vllm_kvevict.core.layouts.cpu_layout import token_slots
 from vllm_kvevict.integration.cpu_backend import layout_for_cache
 
 LAYERS, HEADS, D, BS = 30, 3, 64, 32
@@ -70,8 +71,7 @@ def main(argv=None):
     src_rows = blocks[None] + layer * nb  # (L, n_src)
     dst_rows = src_rows[:, :n_dst].clone()
     dst_rows[:, : args.shared] += n_src  # private copies of the shared blocks
-    src_slots = (blocks[None, :, None] * BS + torch.arange(BS)).flatten(1)[:, :args.old]
-    src_slots = src_slots + layer * nb * BS
+    src_slots = token_slots(blocks, args.old, BS)[None] + layer * nb * BS
     all_scores = torch.rand(HEADS, LAYERS * nb * BS)
     scores = all_scores[:, src_slots].transpose(0, 1)  # (L, H, old)
     keep = scores.topk(args.new, dim=-1).indices  # any order: fill_holes takes it so
