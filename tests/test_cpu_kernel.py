@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from conftest import kernel_isas
 
 from vllm_kvevict import cpu_kernel
 from vllm_kvevict.core.scoring import scores
@@ -27,16 +28,6 @@ TILES = {
     "plain": lambda bs, d: (bs, d, 0, 0, d, 0, 1),      # [BS][D]
 }
 NB = 40
-
-
-def _isas():
-    mod = cpu_kernel.module()
-    out = []
-    for isa in cpu_kernel.ISAS:
-        reason = ("the kernel is not built (scripts/setup.sh builds it)" if mod is None
-                  else None if mod.supports(isa) else f"this CPU lacks {isa}")
-        out.append(pytest.param(isa, marks=pytest.mark.skipif(reason is not None, reason=reason or "")))
-    return out
 
 
 def _layout(kind, dtype, bs, d, h):
@@ -84,7 +75,7 @@ LAYOUTS = {"amx": [("amx", torch.bfloat16), ("vec", torch.bfloat16)],
 
 
 @pytest.mark.parametrize("isa,kind,dtype", [pytest.param(p.values[0], *c, marks=p.marks)
-                                            for p in _isas() for c in LAYOUTS[p.values[0]]])
+                                            for p in kernel_isas() for c in LAYOUTS[p.values[0]]])
 @pytest.mark.parametrize("h,g,d,bs", [(3, 3, 64, 32), (2, 7, 128, 16), (1, 1, 32, 128),
                                       (2, 2, 96, 32)])
 def test_column_sums_match_float64(isa, kind, dtype, h, g, d, bs):
@@ -110,7 +101,7 @@ def test_column_sums_match_float64(isa, kind, dtype, h, g, d, bs):
     assert got.sum().item() == pytest.approx((visible > 0).sum().item() * h * g, rel=1e-5)
 
 
-@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("isa", kernel_isas())
 def test_kept_sets_equal_float64s_at_a_flush_shape(isa):
     """What eviction uses: the top-64 of 192 keys per (row, head) after a
     32-query decode flush is the same set as float64's."""
@@ -210,7 +201,7 @@ def test_a_second_build_reuses_the_first():
     assert "already built" in out.stdout
 
 
-@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("isa", kernel_isas())
 def test_snapkv_window_sums_match_float64(isa):
     """SnapKV's window through the kernel (dense keys cut into 16-token blocks,
     n not a multiple of 16) against the torch window attention in float64."""

@@ -17,6 +17,7 @@ torch overlap by at least the floors below.
 
 import pytest
 import torch
+from conftest import kernel_isas
 
 from vllm_kvevict import cpu_kernel
 from vllm_kvevict.core.eviction.kernel_dispatch import cpu_projection_isa
@@ -24,16 +25,6 @@ from vllm_kvevict.core.scoring import window_scores
 from vllm_kvevict.core.scoring.window_scores import finalize, raw_scores_torch
 
 TOL = {"amx": (1e-5, 1.5e-5), "avx512bf16": (1e-5, 1.5e-5), "avx2": (3e-6, 5e-6)}  # (norm, max)
-
-
-def _isas():
-    mod = cpu_kernel.module()
-    out = []
-    for isa in cpu_kernel.ISAS:
-        reason = ("the kernel is not built (scripts/setup.sh builds it)" if mod is None
-                  else None if mod.supports(isa) else f"this CPU lacks {isa}")
-        out.append(pytest.param(isa, marks=pytest.mark.skipif(reason is not None, reason=reason or "")))
-    return out
 
 
 def _torch_andpro(q, k, v, scale):
@@ -91,7 +82,7 @@ RANDOM_SHAPES = [  # (b, w, h, g, d, n): GQA 1-7, head sizes 32-128 (amx takes 3
 ]
 
 
-@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("isa", kernel_isas())
 @pytest.mark.parametrize("shape", RANDOM_SHAPES, ids=lambda s: "b{}w{}h{}g{}d{}n{}".format(*s))
 def test_random_inputs_match_torch_and_float64(isa, shape):
     b, w, h, g, d, n = shape
@@ -116,7 +107,7 @@ def _overlap_floor(budget):
     return 1 - window_scores.CHUNK / budget
 
 
-@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("isa", kernel_isas())
 @pytest.mark.parametrize("n", [40, 272, 513, 1040, 1100])
 def test_real_looking_shapes_and_kept_sets(isa, n):
     """SmolLM2's heads (H 3, G 3, D 64), the papers' window (w 32), two layers."""
@@ -140,7 +131,7 @@ def test_real_looking_shapes_and_kept_sets(isa, n):
                 assert overlap >= _overlap_floor(budget), (dtype, layer, head, overlap)
 
 
-@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("isa", kernel_isas())
 def test_threads_give_the_same_scores(isa):
     """Two threads (tasks split over them, a (b, h)'s row blocks too) against one."""
     gen = torch.Generator().manual_seed(9)
