@@ -53,9 +53,9 @@ def compact_ref(layout, key_cache, value_cache, scores, src_slots, dst_slots, ke
     bs, h = layout.block_size, keep.shape[1]
     new_len = keep.shape[2]
     for r in range(keep.shape[0]):
-        dst = dst_slots[r].long().cpu()
+        row, dst = src_slots[r].long().cpu(), dst_slots[r].long().cpu()
         for kv in range(h):
-            src = src_slots[r].long().cpu()[keep[r, kv].long().cpu()]
+            src = row[keep[r, kv].long().cpu()]
             head = torch.full_like(src, kv)
             k, v = layout.read_tokens(key_cache, value_cache, src // bs, src % bs, heads=head)
             s = scores[kv, src.to(scores.device)].clone() if scores is not None else None
