@@ -192,13 +192,21 @@ def steady_lengths(cfg) -> list[int]:
 
 def timed_steady(llm, rec: StepRecorder, mgr, prompts, cfg) -> dict:
     """The steady-state workload, driven step by step: request i is added at
-    step i * arrival_gap, with its own output length."""
+    step i * arrival_gap, with its own output length.
+
+    Besides the whole run (ramp-up and drain included), it reports the engine
+    at capacity: output tokens per second over the steps after which vLLM's
+    scheduler still had requests waiting (`Scheduler.get_request_counts()`),
+    i.e. the steps in which memory, not the arrival schedule, set how many
+    requests ran. Stock and the plugin are measured by the same rule."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
     lengths = steady_lengths(cfg)
     gap = cfg["arrival_gap"]
     done: dict[int, object] = {}
+    emitted: dict[str, int] = {}
+    full = {"steps": 0, "s": 0.0, "tokens": 0, "running": 0}
 
     def run():
         step = added = 0
@@ -208,13 +216,31 @@ def timed_steady(llm, rec: StepRecorder, mgr, prompts, cfg) -> dict:
                                    SamplingParams(max_tokens=lengths[added], ignore_eos=True,
                                                   temperature=0.0))
                 added += 1
-            for out in engine.step():
+            t = time.perf_counter()
+            outs = engine.step()
+            dt = time.perf_counter() - t
+            new = 0
+            for out in outs:
+                n = len(out.outputs[0].token_ids)
+                new += n - emitted.get(out.request_id, 0)
+                emitted[out.request_id] = n
                 if out.finished:
                     done[int(out.request_id)] = out
+            if rec.scheduler.get_request_counts()[1]:
+                full["steps"] += 1
+                full["s"] += dt
+                full["tokens"] += new
+                full["running"] += rec.running[-1] if rec.running else 0
             step += 1
         return [done[i] for i in range(len(prompts))]
 
-    return _timed(rec, mgr, cfg, run, lengths)
+    res = _timed(rec, mgr, cfg, run, lengths)
+    n = full["steps"]
+    res.update(capacity_steps=n, capacity_tokens=full["tokens"], capacity_s=full["s"],
+               capacity_out_tok_s=full["tokens"] / full["s"] if full["s"] else None,
+               capacity_mean_running=full["running"] / n if n else None,
+               capacity_ms_per_step=1000 * full["s"] / n if n else None)
+    return res
 
 
 def timed_generate(llm, rec: StepRecorder, mgr, prompts, params, cfg) -> dict:
@@ -375,17 +401,36 @@ def _table(results: list[dict], cols: list[str], cells) -> str:
     return "\n".join(lines)
 
 
-def table_constrained(results: list[dict]) -> str:
-    def cells(r, stock):
-        speed = r["out_tok_s"] / stock["out_tok_s"] if stock else None
-        return [f"{r['out_tok_s']:.1f}", f"{fmt(speed, '.2f')}x",
-                f"{r['peak_blocks']}/{r['num_gpu_blocks'] - 1}", f"{r['mean_running']:.1f}",
-                r["preemptions"], r["max_blocks_per_request"], _kept(r),
-                fmt(r["out_tok_per_cpu_s"], ".1f")]
+def table_cells_constrained(r: dict, stock: dict | None) -> list:
+    speed = r["out_tok_s"] / stock["out_tok_s"] if stock else None
+    return [f"{r['out_tok_s']:.1f}", f"{fmt(speed, '.2f')}x",
+            f"{r['peak_blocks']}/{r['num_gpu_blocks'] - 1}", f"{r['mean_running']:.1f}",
+            r["preemptions"], r["max_blocks_per_request"], _kept(r),
+            fmt(r["out_tok_per_cpu_s"], ".1f")]
 
+
+def table_constrained(results: list[dict]) -> str:
     return _table(results, ["out tok/s", "speedup vs stock", "peak blocks", "mean running",
                             "preemptions", "max blocks/request", "kept/seen tokens (end)",
-                            "out tok/CPU-s"], cells)
+                            "out tok/CPU-s"], table_cells_constrained)
+
+
+def table_steady(results: list[dict]) -> str:
+    """The lockstep columns, plus the engine at capacity (steps with requests waiting)."""
+    def cells(r, stock):
+        cap = r.get("capacity_out_tok_s")
+        scap = stock.get("capacity_out_tok_s") if stock else None
+        return [*table_cells_constrained(r, stock)[:2], fmt(cap, ".1f"),
+                f"{fmt(cap / scap if cap and scap else None, '.2f')}x",
+                fmt(r.get("capacity_mean_running"), ".1f"),
+                fmt(r.get("capacity_ms_per_step"), ".1f"), r.get("capacity_steps"),
+                f"{r['peak_blocks']}/{r['num_gpu_blocks'] - 1}", f"{r['mean_running']:.1f}",
+                r["preemptions"], fmt(r["out_tok_per_cpu_s"], ".1f")]
+
+    return _table(results, ["out tok/s (whole run)", "vs stock", "at capacity tok/s",
+                            "vs stock", "running at capacity", "ms/step at capacity",
+                            "steps at capacity", "peak blocks", "mean running",
+                            "preemptions", "out tok/CPU-s"], cells)
 
 
 def table_ample(results: list[dict]) -> str:
@@ -608,7 +653,7 @@ def main(argv=None) -> int:
               f"{r0['num_requests']} requests x ({r0['prompt_len']} prompt + {what}) tokens, "
               f"pool {r0['pool_tokens']} tokens = {blocks} blocks "
               f"({blocks * r0['block_size'] * bpt} bytes), recent {args.recent}\n")
-        print(table_constrained(rows))
+        print(table_constrained(rows) if table == "constrained" else table_steady(rows))
         print("\n" + notes(rows))
     if res_c:
         from vllm_kvevict.core.eviction.planner import max_blocks_per_request
