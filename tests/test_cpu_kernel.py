@@ -17,7 +17,7 @@ from conftest import kernel_isas
 
 from vllm_kvevict import cpu_kernel
 from vllm_kvevict.core.scoring import scores
-from vllm_kvevict.core.layouts.cpu_layout import KVLayout, split_kv_cache
+from vllm_kvevict.core.layouts.cpu_layout import KVLayout, split_kv_cache, token_slots
 from vllm_kvevict.core.eviction.kernel_dispatch import cpu_kernel_isa, cpu_path
 
 # (T0, D0, base, st1, st0, sd1, sd0) per layout, as KVLayout._fit_tiles finds them.
@@ -256,6 +256,42 @@ def test_compiled_token_moves_equal_the_torch_path(kind, dtype, copy_on_write, m
     assert not torch.equal(c1, kv)  # something moved
     assert torch.equal(c1.view(torch.uint8), c2.view(torch.uint8))
     assert torch.equal(s1, s2) and torch.equal(a1, a2)
+
+
+@pytest.mark.parametrize("kind", ["amx", "vec", "odd"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("reordered", [False, True])
+def test_compiled_token_reads_equal_the_torch_gather(kind, dtype, reordered):
+    """read_tokens (a compaction's K and V for the window policies, oldest
+    first: recorders.StackContext) returns exactly what the layout's block
+    gather followed by the age order (compaction.by_age) returns, for two
+    layers of a layer stack, with and without an earlier compaction's order."""
+    from vllm_kvevict.core.eviction.compaction import by_age
+
+    mod = cpu_kernel.module()
+    if mod is None:
+        pytest.fail("the CPU kernel is not built: scripts/setup.sh builds it")
+    bs, d, h = 32, 64, 3
+    gen = torch.Generator().manual_seed(5)
+    layout = _layout(kind, dtype, bs, d, h)
+    kv = torch.randn(NB, h, bs, 2 * d, generator=gen).to(dtype)
+    kc, vc = split_kv_cache(kv)
+    src_rows = torch.tensor([[2, 5, 9, 11, 30], [14, 3, 17, 20, 31]])  # (L, n_src)
+    n = 4 * bs + 7
+    src_slots = token_slots(src_rows, n, bs)  # (L, n)
+    rows = (torch.stack([torch.randperm(n, generator=gen) for _ in range(2 * h)]).view(2, h, n)
+            if reordered else None)
+    slots = (src_slots[:, None].expand(-1, h, -1) if rows is None
+             else src_slots.gather(1, rows.flatten(1)).view_as(rows))
+    for cache, offsets, gather in ((kc, layout.element_offsets(kc, vc)[0], layout.gather_keys),
+                                   (vc, layout.element_offsets(kc, vc)[1], layout.gather_values)):
+        got = mod.read_tokens(cache, offsets, slots.contiguous())
+        want = by_age(gather(cache, src_rows, src_rows.shape[1])[:, :, :n], rows)
+        assert got.shape == (2, h, n, d) and got.dtype == dtype
+        assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        mod.read_tokens(kc, layout.element_offsets(kc, vc)[0],
+                        torch.full((1, h, 1), NB * bs, dtype=torch.long))
 
 
 def test_bad_moves_are_refused_before_anything_is_written():

@@ -94,6 +94,52 @@ void move_tokens(at::Tensor key_cache, at::Tensor value_cache, const at::Tensor&
   }
 }
 
+// out[l, h, i, :] = the key (or value) of head h at slot slots[l, h, i]
+// (block * BS + offset) of `cache`: a compaction's K and V, read oldest first
+// for the window policies (integration/recorders.StackContext). One pass over
+// the tokens through the layout's element offsets; torch needed three (whole
+// blocks, unpacking the tiles, then the age order).
+template <typename T>
+void read_tokens_as(const at::Tensor& cache, const int64_t* off, const int64_t* slot, T* out,
+                    int64_t rows, int64_t heads, int64_t n) {
+  const T* base = reinterpret_cast<const T*>(cache.data_ptr());
+  const int64_t s0 = cache.stride(0), bs = cache.size(2), d = cache.size(3);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < n; ++i, out += d) {
+        const int64_t s = *slot++;
+        const T* src = base + (s / bs) * s0;
+        const int64_t* o = off + (h * bs + s % bs) * d;
+        for (int64_t e = 0; e < d; ++e) out[e] = src[o[e]];
+      }
+}
+
+at::Tensor read_tokens(const at::Tensor& cache, const at::Tensor& offsets, const at::Tensor& slots) {
+  TORCH_CHECK(cache.dim() == 4, "cache: [NB, H, BS, D]");
+  const int64_t nb = cache.size(0), h = cache.size(1), bs = cache.size(2), d = cache.size(3);
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.is_contiguous() && offsets.dim() == 3 &&
+              offsets.size(0) == h && offsets.size(1) == bs && offsets.size(2) == d,
+              "offsets: contiguous int64 (H, BS, D)");
+  TORCH_CHECK(offsets.numel() == 0 || (offsets.min().item<int64_t>() >= 0 &&
+                                       offsets.max().item<int64_t>() < cache.stride(0)),
+              "offsets reach outside a block");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 3 &&
+              slots.size(1) == h, "slots: contiguous int64 (L, H, n)");
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots.numel(); ++i)
+    TORCH_CHECK(s[i] >= 0 && s[i] < nb * bs, "slot ", s[i], " outside the cache");
+  at::Tensor out = at::empty({slots.size(0), h, slots.size(2), d}, cache.options());
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  switch (cache.element_size()) {
+    case 2: read_tokens_as<uint16_t>(cache, off, s, reinterpret_cast<uint16_t*>(out.data_ptr()),
+                                     slots.size(0), h, slots.size(2)); break;
+    case 4: read_tokens_as<uint32_t>(cache, off, s, reinterpret_cast<uint32_t*>(out.data_ptr()),
+                                     slots.size(0), h, slots.size(2)); break;
+    default: TORCH_CHECK(false, "cache element size ", cache.element_size(), ": expected 2 or 4");
+  }
+  return out;
+}
+
 // Copy whole blocks src[i] -> dst[i] of both caches (copy-on-write of shared
 // blocks), the packing inside a block as is: one memcpy per (block, head).
 void copy_blocks(at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& src,

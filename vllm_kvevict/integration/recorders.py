@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from vllm_kvevict.core.eviction.compaction import by_age
+from vllm_kvevict.core.eviction.kernel_dispatch import cpu_token_mover
 from vllm_kvevict.core.eviction.plans import CompactionPlan, EvictionStep
 from vllm_kvevict.core.layouts.layer_stack import LayerCache, LayerStack
 from vllm_kvevict.core.policies import Record
@@ -181,6 +182,13 @@ class StackContext:
     def _gather(self, values: bool) -> torch.Tensor:
         st, n = self.st, self.src_rows.shape[1]
         kc, vc = st.layout.split(st.kv_cache)
+        mover = cpu_token_mover(st.layout, kc)
+        if mover is not None and hasattr(mover, "read_tokens"):  # one pass, in C++
+            slots = self.src_slots[:, None].expand(-1, self.num_kv_heads, -1)  # (L, H, old_len)
+            if self.rows is not None:
+                slots = self.src_slots.gather(1, self.rows.flatten(1).long()).view_as(self.rows)
+            offsets = st.layout.element_offsets(kc, vc)[1 if values else 0]
+            return mover.read_tokens(vc if values else kc, offsets, slots.contiguous())
         x = (st.layout.gather_values(vc, self.src_rows, n) if values
              else st.layout.gather_keys(kc, self.src_rows, n))
         return by_age(x[:, :, : self.old_len], self.rows)
