@@ -1,6 +1,6 @@
 """Throughput of KV eviction (h2o / streaming) against stock vLLM, on a fixed KV pool.
 
-Two tables, every configuration in one run:
+Three tables, every configuration in one run:
 
 1. "constrained pool": a KV pool of --pool-tokens (default 8192 tokens, i.e. about
    ten full 768-token requests) and --num-requests requests. Stock vLLM must
@@ -13,6 +13,11 @@ Two tables, every configuration in one run:
    arrives at engine step i * --arrival-gap and asks for a seeded random
    output length in [output_len / 2, 3 * output_len / 2]: requests finish at
    different times and the pool stays full, as on a server under load.
+   Besides the whole run (which includes the ramp-up and the drain), it
+   reports the engine at capacity: tokens per second over the steps after
+   which vLLM's scheduler still had requests waiting, i.e. where memory, not
+   the arrival schedule, decided how many requests ran. With --repeats, the
+   repeat fastest at capacity is reported.
 3. "memory ample": a pool large enough that nothing is preempted, so what
    differs from stock is the per-step cost of scoring + compaction (and the
    cheaper attention over fewer resident tokens).
@@ -158,7 +163,9 @@ def run_config(cfg: dict) -> dict:
             else:
                 reps.append(timed_generate(llm, rec, mgr, prompts, params, cfg))
         # best of N: on a shared machine the fastest repeat is the least disturbed
-        best = max(reps, key=lambda r: r["out_tok_s"])
+        # (steady state: fastest at capacity, the figure its table leads with)
+        key = "capacity_out_tok_s" if cfg.get("workload") == "steady" else "out_tok_s"
+        best = max(reps, key=lambda r: r[key] or 0.0)
         return {
             **cfg,
             "ok": True,
@@ -174,6 +181,7 @@ def run_config(cfg: dict) -> dict:
             "plugin_sha1_after": plugin_fingerprint(),
             **best,
             "repeat_out_tok_s": [r["out_tok_s"] for r in reps],
+            "repeat_capacity_out_tok_s": [r.get("capacity_out_tok_s") for r in reps],
             "repeats_detail": [{k: v for k, v in r.items() if k not in
                                 ("output_token_ids", "blocks_trace", "running_trace")}
                                for r in reps],
@@ -455,6 +463,9 @@ def notes(results: list[dict]) -> str:
                 ) if r["policy"] == "none" else f"{r['policy']}@{r['budget']}"
         d = divergence(r, stock)
         reps = ", ".join(f"{v:.1f}" for v in r["repeat_out_tok_s"])
+        if any(r.get("repeat_capacity_out_tok_s") or ()):
+            reps += "; at capacity " + ", ".join(fmt(v, ".1f")
+                                                 for v in r["repeat_capacity_out_tok_s"])
         load = f"{r['loadavg_before'][0]:.1f}->{r['loadavg_after'][0]:.1f}"
         out.append(f"- {name}: wall {r['wall_s']:.1f}s, {r['steps']} steps, "
                    f"mean {fmt(r['ms_per_step'], '.1f')} ms/step, CPU {r['cpu_s']:.1f}s, "
