@@ -217,6 +217,23 @@ def test_snapkv_window_sums_match_float64(isa):
     assert (got.double() - want).norm() / want.norm() < 2e-6
 
 
+# Two rows (layers of a layer stack) of five blocks each, for the token copies.
+SRC_ROWS = torch.tensor([[2, 5, 9, 11, 30], [14, 3, 17, 20, 31]])
+
+
+def _token_cache(kind, dtype, seed):
+    """(the compiled module, a `kind` layout with BS 32, D 64, H 3, a random
+    paged cache of NB blocks in it, the generator that made it) for the tests
+    of the kernel's token copies; fails if the kernel is not built."""
+    mod = cpu_kernel.module()
+    if mod is None:
+        pytest.fail("the CPU kernel is not built: scripts/setup.sh builds it")
+    bs, d, h = 32, 64, 3
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(NB, h, bs, 2 * d, generator=gen).to(dtype)
+    return mod, _layout(kind, dtype, bs, d, h), kv, gen
+
+
 @pytest.mark.parametrize("kind", ["amx", "vec", "odd"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("copy_on_write", [False, True])
@@ -226,15 +243,10 @@ def test_compiled_token_moves_equal_the_torch_path(kind, dtype, copy_on_write, m
     (test_fill_holes holds both to the ordered reference on vLLM's layouts)."""
     from vllm_kvevict.core.eviction.compaction import fill_holes
 
-    mod = cpu_kernel.module()
-    if mod is None:
-        pytest.fail("the CPU kernel is not built: scripts/setup.sh builds it")
-    bs, d, h = 32, 64, 3
-    gen = torch.Generator().manual_seed(11)
-    layout = _layout(kind, dtype, bs, d, h)
-    kv = torch.randn(NB, h, bs, 2 * d, generator=gen).to(dtype)
+    mod, layout, kv, gen = _token_cache(kind, dtype, seed=11)
+    bs, h = layout.block_size, layout.num_kv_heads
     scores = torch.rand(h, NB * bs, generator=gen)
-    src = torch.tensor([[2, 5, 9, 11, 30], [14, 3, 17, 20, 31]])  # two rows (layers)
+    src = SRC_ROWS.clone()
     dst = src[:, :3].clone()
     if copy_on_write:  # both rows' first blocks shared: private copies
         dst[:, 0] = torch.tensor([35, 36])
@@ -268,15 +280,10 @@ def test_compiled_token_reads_equal_the_torch_gather(kind, dtype, reordered):
     layers of a layer stack, with and without an earlier compaction's order."""
     from vllm_kvevict.core.eviction.compaction import by_age
 
-    mod = cpu_kernel.module()
-    if mod is None:
-        pytest.fail("the CPU kernel is not built: scripts/setup.sh builds it")
-    bs, d, h = 32, 64, 3
-    gen = torch.Generator().manual_seed(5)
-    layout = _layout(kind, dtype, bs, d, h)
-    kv = torch.randn(NB, h, bs, 2 * d, generator=gen).to(dtype)
+    mod, layout, kv, gen = _token_cache(kind, dtype, seed=5)
+    bs, d, h = layout.block_size, layout.head_size, layout.num_kv_heads
     kc, vc = split_kv_cache(kv)
-    src_rows = torch.tensor([[2, 5, 9, 11, 30], [14, 3, 17, 20, 31]])  # (L, n_src)
+    src_rows = SRC_ROWS
     n = 4 * bs + 7
     src_slots = token_slots(src_rows, n, bs)  # (L, n)
     rows = (torch.stack([torch.randperm(n, generator=gen) for _ in range(2 * h)]).view(2, h, n)
