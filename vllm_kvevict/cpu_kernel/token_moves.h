@@ -43,6 +43,18 @@ void copy_cache(const at::Tensor& cache, const at::Tensor& offsets, const Move& 
   }
 }
 
+// Offsets (H, BS, D) int64 of a layout's elements inside one block of `cache`
+// ([NB, H, BS, D]): an offset outside one block's span would reach into
+// another block.
+void check_offsets(const at::Tensor& offsets, const at::Tensor& cache) {
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.is_contiguous() && offsets.dim() == 3 &&
+              offsets.size(0) == cache.size(1) && offsets.size(1) == cache.size(2) &&
+              offsets.size(2) == cache.size(3), "offsets: contiguous int64 (H, BS, D)");
+  TORCH_CHECK(offsets.numel() == 0 || (offsets.min().item<int64_t>() >= 0 &&
+                                       offsets.max().item<int64_t>() < cache.stride(0)),
+              "offsets reach outside a block");
+}
+
 // Move tokens i = 0..M-1 from slot (src_blk[i], src_off[i]) to (dst_blk[i],
 // dst_off[i]) in head head[i] of both caches, and their scores (H, NB * BS)
 // float32 (slot = block * BS + offset) when given. Sources and destinations are
@@ -57,12 +69,7 @@ void move_tokens(at::Tensor key_cache, at::Tensor value_cache, const at::Tensor&
               value_cache.stride(0) == key_cache.stride(0) &&
               value_cache.scalar_type() == key_cache.scalar_type(),
               "key_cache, value_cache: [NB, H, BS, D] views of one dtype and block stride");
-  const int64_t nb = key_cache.size(0), h = key_cache.size(1), bs = key_cache.size(2),
-                d = key_cache.size(3);
-  for (const at::Tensor* o : {&k_offsets, &v_offsets})
-    TORCH_CHECK(o->scalar_type() == at::kLong && o->is_contiguous() && o->dim() == 3 &&
-                o->size(0) == h && o->size(1) == bs && o->size(2) == d,
-                "offsets: contiguous int64 (H, BS, D)");
+  const int64_t nb = key_cache.size(0), h = key_cache.size(1), bs = key_cache.size(2);
   const int64_t n = src_blk.numel();
   for (const at::Tensor* t : {&src_blk, &src_off, &dst_blk, &dst_off, &head})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == n,
@@ -73,11 +80,8 @@ void move_tokens(at::Tensor key_cache, at::Tensor value_cache, const at::Tensor&
     TORCH_CHECK(m.src_blk[i] >= 0 && m.src_blk[i] < nb && m.dst_blk[i] >= 0 && m.dst_blk[i] < nb &&
                 m.src_off[i] >= 0 && m.src_off[i] < bs && m.dst_off[i] >= 0 && m.dst_off[i] < bs &&
                 m.head[i] >= 0 && m.head[i] < h, "move ", i, " names a slot outside the cache");
-  // An offset outside one block's [H, BS, D] span would write into another block.
-  const int64_t span = key_cache.stride(0);
-  for (const at::Tensor* o : {&k_offsets, &v_offsets})
-    TORCH_CHECK(o->numel() == 0 || (o->min().item<int64_t>() >= 0 && o->max().item<int64_t>() < span),
-                "offsets reach outside a block");
+  check_offsets(k_offsets, key_cache);
+  check_offsets(v_offsets, value_cache);
   if (scores) {
     TORCH_CHECK(scores->scalar_type() == at::kFloat && scores->dim() == 2 && scores->stride(1) == 1 &&
                 scores->size(0) == h && scores->size(1) == nb * bs,
@@ -117,12 +121,7 @@ void read_tokens_as(const at::Tensor& cache, const int64_t* off, const int64_t* 
 at::Tensor read_tokens(const at::Tensor& cache, const at::Tensor& offsets, const at::Tensor& slots) {
   TORCH_CHECK(cache.dim() == 4, "cache: [NB, H, BS, D]");
   const int64_t nb = cache.size(0), h = cache.size(1), bs = cache.size(2), d = cache.size(3);
-  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.is_contiguous() && offsets.dim() == 3 &&
-              offsets.size(0) == h && offsets.size(1) == bs && offsets.size(2) == d,
-              "offsets: contiguous int64 (H, BS, D)");
-  TORCH_CHECK(offsets.numel() == 0 || (offsets.min().item<int64_t>() >= 0 &&
-                                       offsets.max().item<int64_t>() < cache.stride(0)),
-              "offsets reach outside a block");
+  check_offsets(offsets, cache);
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 3 &&
               slots.size(1) == h, "slots: contiguous int64 (L, H, n)");
   const int64_t* s = slots.data_ptr<int64_t>();
