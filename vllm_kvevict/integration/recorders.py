@@ -175,7 +175,7 @@ class StackContext:
         self.num_layers, self.num_kv_heads = st.num_layers, st.layout.num_kv_heads
         self.old_len, self.new_len, self.recent = plan.old_len, plan.new_len, plan.recent
         self.device = st.kv_cache.device
-        self._k = self._v = None
+        self._k = self._v = self._slots = None
         self._window: tuple | None = None
         self._window_read = False
 
@@ -184,14 +184,21 @@ class StackContext:
         kc, vc = st.layout.split(st.kv_cache)
         mover = cpu_token_mover(st.layout, kc)
         if mover is not None and hasattr(mover, "read_tokens"):  # one pass, in C++
-            slots = self.src_slots[:, None].expand(-1, self.num_kv_heads, -1)  # (L, H, old_len)
-            if self.rows is not None:
-                slots = self.src_slots.gather(1, self.rows.flatten(1).long()).view_as(self.rows)
             offsets = st.layout.element_offsets(kc, vc)[1 if values else 0]
-            return mover.read_tokens(vc if values else kc, offsets, slots.contiguous())
+            return mover.read_tokens(vc if values else kc, offsets, self._slots_by_age())
         x = (st.layout.gather_values(vc, self.src_rows, n) if values
              else st.layout.gather_keys(kc, self.src_rows, n))
         return by_age(x[:, :, : self.old_len], self.rows)
+
+    def _slots_by_age(self) -> torch.Tensor:
+        """(L, H, old_len) int64 slot of each token, oldest first (K and V share it)."""
+        if self._slots is None:
+            if self.rows is None:
+                slots = self.src_slots[:, None].expand(-1, self.num_kv_heads, -1)
+            else:
+                slots = self.src_slots.gather(1, self.rows.flatten(1).long()).view_as(self.rows)
+            self._slots = slots.contiguous()
+        return self._slots
 
     def keys(self) -> torch.Tensor:
         if self._k is None:
