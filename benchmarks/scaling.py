@@ -20,20 +20,25 @@ Method
   the whole batch is prefilled in ONE step and every request then decodes in
   lockstep (with chunked prefill, the first requests would decode, and finish,
   while later ones are still prefilling).
-* Interleaving. The engines of one ctx are alive at the same time (blocked on
-  a pipe when idle), and each point runs stock and plugin back to back, order
-  alternating between points, so slow drift on a shared machine (another
-  process on the other core) hits both sides alike.
+* Interleaving. The engines of one ctx are alive at the same time, each in
+  its own process, and every point runs on all of them with their steps
+  interleaved: the parent sends "step" to each engine in turn, so step k of
+  stock and step k of the plugin run back to back (who goes first alternates
+  from step to step), and only engine.step() itself is timed. On this
+  project's shared VMs the same matrix product's speed flips between two
+  levels 1.7x apart within seconds (a noisy neighbour on the core's sibling);
+  running whole points back to back put one side on the fast level and the
+  other on the slow one often enough to move a point's overhead by +/- 30%.
+  Adjacent steps see the same level.
 * A point. `batch` requests, prompts of exactly `ctx` token ids sliced from a
   real-text corpus at distinct offsets (benchmarks/common.make_prompts),
   max_tokens = --decode (default 96 = 3 blocks), ignore_eos, greedy. The
   engine is driven step by step (LLMEngine.step) and every step is timed.
   Only steps whose SchedulerOutput schedules exactly one token for each of the
   `batch` requests count as decode steps (no prefill, nobody finished).
-* Repeats (--repeats N): every point runs N times, stock and plugin
-  alternating, and each side's fastest run (by mean decode step) is
-  reported: on this project's shared 2-core VMs the same point's stock step
-  moved by up to 1.5x between runs minutes apart.
+* Repeats (--repeats N): every point runs N times (each run interleaved
+  as above), and the table reports the run whose overhead is the median of
+  the N, with every run's overhead beside it.
 * Statistic: the MEAN decode-step time, not the median. The plugin's work is
   periodic: H2O scores decode queries in batches of up to 16 steps (decode
   log flush) and, with all requests in lockstep, every request compacts in the
@@ -198,66 +203,80 @@ def build_engine(cfg: dict):
                additional_config=additional)
 
 
-def run_steps(llm, log: StepLog, timers: Timers | None, prompts, decode: int, tag: str):
-    """Submit the prompts, step the engine to the end. Returns per step:
-    (seconds, is_decode, resident tokens per request, {category: seconds})."""
+def submit(llm, prompts, decode: int, tag: str) -> None:
     from vllm import SamplingParams
 
-    engine = llm.llm_engine
     params = SamplingParams(max_tokens=decode, ignore_eos=True, temperature=0.0)
     for i, p in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, params)
-    steps = []
-    while engine.has_unfinished_requests():
-        if timers:
-            timers.reset()
-        t0, c0 = time.perf_counter(), time.process_time()
-        engine.step()
-        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-        steps.append((dt, log.is_decode(len(prompts)), log.resident,
-                      dict(timers.seconds) if timers else {}, cpu))
-    return steps
+        llm.llm_engine.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, params)
 
 
-def measure(llm, log: StepLog, timers: Timers | None, cfg: dict, batch: int) -> dict:
-    """One point: stats over the decode steps of `batch` requests of cfg['ctx'] tokens."""
-    ctx, decode = cfg["ctx"], cfg["decode"]
-    prompts = make_prompts(cfg["model"], batch, ctx)
-    comp0, ev0 = log.counters()
-    t0 = time.perf_counter()
-    steps = run_steps(llm, log, timers, prompts, decode, f"b{batch}c{ctx}")
-    wall = time.perf_counter() - t0
-    comp1, ev1 = log.counters()
-    dec = [s for s in steps if s[1]]
-    ms = [1000 * s[0] for s in dec]  # per decode step, ms
-    breakdown = {c: 1000 * sum(s[3].get(c, 0.0) for s in dec) / max(1, len(dec))
-                 for c in CATEGORIES} if timers else {}
-    return {
-        "ok": True, "policy": cfg["policy"], "batch": batch, "ctx": ctx, "decode": decode,
-        "budget": ctx if cfg["policy"] != "none" else None,
-        "decode_steps": len(dec), "steps": len(steps), "wall_s": wall,
-        "prefill_s": sum(s[0] for s in steps if not s[1]),
-        # this process's CPU time (engine and worker run in it): what another
-        # process on the machine cannot inflate, unlike wall time
-        "prefill_cpu_s": sum(s[4] for s in steps if not s[1]),
-        "mean_cpu_ms": statistics.fmean(1000 * s[4] for s in dec) if dec else None,
-        "mean_ms": statistics.fmean(ms) if ms else None,
-        "median_ms": statistics.median(ms) if ms else None,
-        "min_ms": min(ms, default=None), "max_ms": max(ms, default=None),
-        "step_ms": ms,
-        # mean over decode steps of the mean resident tokens per request
-        "resident": statistics.fmean(statistics.fmean(s[2]) for s in dec) if dec else None,
-        "compactions": comp1 - comp0, "tokens_evicted": ev1 - ev0,
-        "breakdown_ms": breakdown,
-        "loadavg": os.getloadavg()[0],
-    }
+def timed_step(llm, log: StepLog, timers: Timers | None, batch: int) -> tuple:
+    """One engine step: (seconds, is_decode, resident tokens per request,
+    {category: seconds}, CPU seconds)."""
+    if timers:
+        timers.reset()
+    t0, c0 = time.perf_counter(), time.process_time()
+    llm.llm_engine.step()
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return (dt, log.is_decode(batch), log.resident,
+            dict(timers.seconds) if timers else {}, cpu)
+
+
+class PointRun:
+    """One point on this engine, driven one step at a time so that the parent
+    can interleave the engines' steps (see "Interleaving" above)."""
+
+    def __init__(self, llm, log: StepLog, timers: Timers | None, cfg: dict, batch: int) -> None:
+        self.llm, self.log, self.timers, self.cfg, self.batch = llm, log, timers, cfg, batch
+        self.counters0 = log.counters()
+        self.steps: list[tuple] = []
+        self.t0 = time.perf_counter()
+        submit(llm, make_prompts(cfg["model"], batch, cfg["ctx"]), cfg["decode"],
+               f"b{batch}c{cfg['ctx']}")
+
+    def step(self) -> bool:
+        """Run one step if any is left; True while steps remain."""
+        if self.llm.llm_engine.has_unfinished_requests():
+            self.steps.append(timed_step(self.llm, self.log, self.timers, self.batch))
+        return self.llm.llm_engine.has_unfinished_requests()
+
+    def result(self) -> dict:
+        """Stats over the decode steps of the point."""
+        steps, timers, cfg = self.steps, self.timers, self.cfg
+        wall = time.perf_counter() - self.t0
+        (comp0, ev0), (comp1, ev1) = self.counters0, self.log.counters()
+        dec = [s for s in steps if s[1]]
+        ms = [1000 * s[0] for s in dec]  # per decode step, ms
+        breakdown = {c: 1000 * sum(s[3].get(c, 0.0) for s in dec) / max(1, len(dec))
+                     for c in CATEGORIES} if timers else {}
+        return {
+            "ok": True, "policy": cfg["policy"], "batch": self.batch, "ctx": cfg["ctx"],
+            "decode": cfg["decode"], "budget": cfg["ctx"] if cfg["policy"] != "none" else None,
+            "decode_steps": len(dec), "steps": len(steps), "wall_s": wall,
+            "prefill_s": sum(s[0] for s in steps if not s[1]),
+            # this process's CPU time (engine and worker run in it): what another
+            # process on the machine cannot inflate, unlike wall time
+            "prefill_cpu_s": sum(s[4] for s in steps if not s[1]),
+            "mean_cpu_ms": statistics.fmean(1000 * s[4] for s in dec) if dec else None,
+            "mean_ms": statistics.fmean(ms) if ms else None,
+            "median_ms": statistics.median(ms) if ms else None,
+            "min_ms": min(ms, default=None), "max_ms": max(ms, default=None),
+            "step_ms": ms,
+            # mean over decode steps of the mean resident tokens per request
+            "resident": statistics.fmean(statistics.fmean(s[2]) for s in dec) if dec else None,
+            "compactions": comp1 - comp0, "tokens_evicted": ev1 - ev0,
+            "breakdown_ms": breakdown,
+            "loadavg": os.getloadavg()[0],
+        }
 
 
 def warm_up(llm, log: StepLog, cfg: dict) -> None:
     """Untimed: lazy initialisation and first-step allocations of the engine,
     with the largest batch of this engine, before any measured point."""
-    prompts = make_prompts(cfg["model"], cfg["max_batch"], 48, seed_offset=5)
-    run_steps(llm, log, None, prompts, 8, "warm")
+    submit(llm, make_prompts(cfg["model"], cfg["max_batch"], 48, seed_offset=5), 8, "warm")
+    while llm.llm_engine.has_unfinished_requests():
+        timed_step(llm, log, None, cfg["max_batch"])
 
 
 def scoring_path() -> str:
@@ -279,17 +298,23 @@ def worker_main(cfg: dict) -> None:
             "plugin_sha1": plugin_fingerprint(), "git_head": git_head(),
             "scoring_path": scoring_path()}
     _emit(READY_MARKER, info)
-    for line in sys.stdin:
-        point = json.loads(line)
+    run = None
+    for line in sys.stdin:  # {"start": batch}, then {"step": 1} until done, then {"result": 1}
+        cmd = json.loads(line)
         try:
-            res = measure(llm, log, timers, cfg, point["batch"])
+            if "start" in cmd:
+                run = PointRun(llm, log, timers, cfg, cmd["start"])
+                res = {"ok": True}
+            elif "step" in cmd:
+                res = {"ok": True, "more": run.step()}
+            else:
+                res = {**run.result(), **info}
         except Exception as exc:  # report, keep serving
             import traceback
 
             traceback.print_exc()
             res = {"ok": False, "error": repr(exc)[:300]}
-        _emit(RESULT_MARKER, {**res, "policy": cfg["policy"], "batch": point["batch"],
-                              "ctx": cfg["ctx"], **info})
+        _emit(RESULT_MARKER, res)
     llm.llm_engine.engine_core.shutdown()
 
 
@@ -335,16 +360,18 @@ class Worker:
             self.error = f"engine failed to start: {errors[-1] if errors else 'no READY'}"
         return self.info is not None
 
-    def call(self, batch: int) -> dict:
-        fail = {"ok": False, "policy": self.cfg["policy"], "batch": batch, "ctx": self.cfg["ctx"]}
+    def send(self, cmd: dict) -> dict:
+        """One command to the child (see worker_main), its answer."""
+        fail = {"ok": False, "policy": self.cfg["policy"], "ctx": self.cfg["ctx"]}
         if self.info is None or self.proc.poll() is not None:
             return {**fail, "error": self.error[:300]}
-        self.proc.stdin.write(json.dumps({"batch": batch}) + "\n")
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
         res = self.read(RESULT_MARKER)
         if res is None:
             sys.stderr.write("".join(self.tail))
-            return {**fail, "error": f"worker exited ({self.proc.wait()})"}
+            self.error = f"worker exited ({self.proc.wait()})"
+            return {**fail, "error": self.error}
         return res
 
     def close(self) -> None:
@@ -355,6 +382,28 @@ class Worker:
         self.proc.wait()
 
 
+def run_point(workers: dict, batch: int) -> dict[str, dict]:
+    """One point on every engine, their steps interleaved: step k of each
+    engine runs right after step k of the others, the engine going first
+    alternating from step to step. Returns policy -> result."""
+    started = {p: w.send({"start": batch}) for p, w in workers.items()}
+    live = [p for p, r in started.items() if r.get("ok")]
+    k = 0
+    while live:
+        for p in (live if k % 2 == 0 else live[::-1]):
+            r = workers[p].send({"step": 1})
+            if not (r.get("ok") and r["more"]):
+                live.remove(p)
+                if not r.get("ok"):
+                    started[p] = r
+        k += 1
+    out = {}
+    for p, w in workers.items():
+        r = w.send({"result": 1}) if started[p].get("ok") else started[p]
+        out[p] = {**r, "policy": p, "batch": batch, "ctx": w.cfg["ctx"]}
+    return out
+
+
 def run_context(ctx: int, batches: list[int], policies: list[str], args) -> list[dict]:
     """All points of one ctx: one engine per policy, alive together."""
     workers = {p: Worker(engine_config(p, ctx, max(batches), args), args.verbose)
@@ -363,34 +412,47 @@ def run_context(ctx: int, batches: list[int], policies: list[str], args) -> list
         ok = w.ready()
         _log(f"ctx {ctx}: {p} engine " + (f"ready in {w.info['init_s']:.0f}s" if ok
                                           else "FAILED to start"))
-    runs: dict[tuple[str, int], list[dict]] = {}
+    runs: dict[int, list[dict[str, dict]]] = {}
     try:
         for rep in range(args.repeats):
-            for i, b in enumerate(batches):
-                order = policies if (i + rep) % 2 == 0 else policies[::-1]
-                for p in order:
-                    r = workers[p].call(b)
-                    runs.setdefault((p, b), []).append(r)
+            for b in batches:
+                res = run_point(workers, b)
+                runs.setdefault(b, []).append(res)
+                for r in res.values():
                     _log(_summary(r))
     finally:
         for w in workers.values():
             w.close()
-    return [best_run(rs) for rs in runs.values()]
+    return [r for reps in runs.values() for r in median_repeat(reps)]
 
 
-def best_run(rs: list[dict]) -> dict:
-    """The repeat with the fastest mean decode step (the least disturbed on a
-    shared machine), its prefill time the fastest of all repeats; every
-    repeat's mean kept beside it."""
-    ok = [r for r in rs if r.get("ok")]
-    if not ok:
-        return rs[0]
-    best = dict(min(ok, key=lambda r: r["mean_ms"]))
-    best["repeat_mean_ms"] = [r["mean_ms"] for r in ok]
-    for key in ("prefill_s", "prefill_cpu_s"):
-        if all(key in r for r in ok):
-            best[key] = min(r[key] for r in ok)
-    return best
+def overhead(stock: dict, plugin: dict) -> float | None:
+    """Relative mean-decode-step overhead of one interleaved run, or None."""
+    if not (stock.get("ok") and plugin.get("ok") and stock["mean_ms"] and plugin["mean_ms"]):
+        return None
+    return plugin["mean_ms"] / stock["mean_ms"] - 1
+
+
+def median_repeat(reps: list[dict[str, dict]]) -> list[dict]:
+    """Per plugin policy, the repeat whose overhead against stock (in the same
+    interleaved run) is the median one, with that repeat's stock run attached
+    as "stock" and every repeat's overhead as "repeat_overheads"; stock's own
+    row is its fastest repeat (prefill: the fastest of all)."""
+    out = []
+    stock_runs = [rep["none"] for rep in reps]
+    ok = [r for r in stock_runs if r.get("ok")]
+    stock = dict(min(ok, key=lambda r: r["mean_ms"])) if ok else stock_runs[0]
+    out.append(stock)
+    for p in [p for p in reps[0] if p != "none"]:
+        scored = [(o, i) for i, rep in enumerate(reps)
+                  if (o := overhead(rep["none"], rep[p])) is not None]
+        if not scored:
+            out.append(reps[0][p])
+            continue
+        _, mid = sorted(scored)[(len(scored) - 1) // 2]  # the lower median
+        out.append(dict(reps[mid][p], stock=reps[mid]["none"],
+                        repeat_overheads=[o for o, _ in scored]))
+    return out
 
 
 def _summary(r: dict) -> str:
@@ -410,15 +472,17 @@ def _log(msg: str) -> None:
 
 
 def rows(results: list[dict]) -> list[tuple[dict, dict]]:
-    """(stock, plugin) pairs of the same point, by batch then ctx (run order within)."""
+    """(stock, plugin) pairs of the same point, by batch then ctx: the stock
+    run interleaved with that plugin run where there is one."""
     stock = {(r["batch"], r["ctx"]): r for r in results if r["policy"] == "none"}
-    pairs = [(stock.get((r["batch"], r["ctx"]), {}), r) for r in results if r["policy"] != "none"]
+    pairs = [(r.get("stock") or stock.get((r["batch"], r["ctx"]), {}), r)
+             for r in results if r["policy"] != "none"]
     return sorted(pairs, key=lambda sp: (sp[1]["batch"], sp[1]["ctx"]))
 
 
 def table(results: list[dict]) -> str:
     cols = ["batch", "ctx", "policy", "stock ms/step", "plugin ms/step", "overhead ms",
-            "overhead %", "median ms stock / plugin", "compactions (per req)",
+            "overhead %", "overhead of each repeat", "median ms stock / plugin", "compactions (per req)",
             "scoring ms/step", "compaction ms/step", "bookkeeping ms/step", "other ms/step",
             "CPU ms/step stock / plugin (overhead)", "resident tok/req stock / plugin"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---:|" * len(cols)]
@@ -431,13 +495,15 @@ def _cells(s: dict, p: dict) -> list:
     head = [p["batch"], p["ctx"], p["policy"]]
     if not (s.get("ok") and p.get("ok")):
         err = p.get("error") if not p.get("ok") else s.get("error", "no stock run")
-        return head + [f"FAILED: {err}"] + [""] * 11
+        return head + [f"FAILED: {err}"] + [""] * 12
     over = p["mean_ms"] - s["mean_ms"]
     bd = p["breakdown_ms"]
     other = over - sum(bd.values())
     return head + [
         f"{s['mean_ms']:.1f}", f"{p['mean_ms']:.1f}", f"{over:+.1f}",
-        f"{100 * over / s['mean_ms']:+.1f}%", f"{s['median_ms']:.1f} / {p['median_ms']:.1f}",
+        f"{100 * over / s['mean_ms']:+.1f}%",
+        ", ".join(f"{100 * o:+.1f}%" for o in p.get("repeat_overheads", [])) or "-",
+        f"{s['median_ms']:.1f} / {p['median_ms']:.1f}",
         f"{p['compactions']} ({p['compactions'] / p['batch']:.1f})",
         *(f"{bd[c]:.2f}" for c in CATEGORIES), f"{other:+.2f}", _cpu(s, p),
         f"{s['resident']:.0f} / {p['resident']:.0f}"]
