@@ -17,7 +17,9 @@ Three tables, every configuration in one run:
    reports the engine at capacity: tokens per second over the steps after
    which vLLM's scheduler still had requests waiting, i.e. where memory, not
    the arrival schedule, decided how many requests ran. With --repeats, the
-   repeat fastest at capacity is reported.
+   repeat fastest at capacity is reported. With --interleave (below), "at
+   capacity" is the stretch of steps at which every engine on the pool was
+   at capacity at once.
 3. "memory ample": a pool large enough that nothing is preempted, so what
    differs from stock is the per-step cost of scoring + compaction (and the
    cheaper attention over fewer resident tokens).
@@ -30,7 +32,11 @@ wrapping `scheduler.schedule` on the in-process engine core
 (num_compactions, num_tokens_evicted, evicted) are reported separately.
 
 Each configuration runs in a fresh subprocess by default (--same-process runs
-them sequentially in this process with `del llm; gc.collect()`).
+them sequentially in this process with `del llm; gc.collect()`). With
+--interleave, the configurations of one table run together, one process each,
+their engine steps in turn (benchmarks/interleave.py): on a shared VM whose
+speed flips within seconds, that is what makes their ratio mean something.
+Each run is then timed by the sum of its own steps.
 
 Examples:
     python benchmarks/throughput.py --quick
@@ -66,6 +72,8 @@ from common import (
     plugin_fingerprint,
 )
 
+from interleave import StepClock, run_interleaved
+
 from vllm_kvevict.core.config.settings import POLICIES
 from vllm_kvevict.probe import BlockProbe, attach
 
@@ -90,14 +98,12 @@ class StepRecorder(BlockProbe):
         self.blocks_used: list[int] = []
         self.running: list[int] = []
         self.last_len: dict[str, tuple[int, int, int]] = {}  # rid -> (logical, physical, blocks)
-        self.stamps: list[float] = []  # perf_counter at each schedule() with work
         self.req_max: dict[str, dict] = {}  # rid -> state when it held the most blocks
 
     def sample(self, out) -> None:
         if out.total_num_scheduled_tokens == 0:
             return
         super().sample(out)
-        self.stamps.append(time.perf_counter())
         self.blocks_used.append(self.used_blocks())
         self.running.append(len(self.scheduler.running))
         evicted = getattr(self.manager, "evicted", {})
@@ -154,14 +160,16 @@ def run_config(cfg: dict) -> dict:
                          SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0),
                          use_tqdm=False)
             llm.reset_prefix_cache()
+        # From here on every step is timed by itself (and, interleaved, waits its turn).
+        clock = StepClock(llm.llm_engine, gated=cfg.get("interleaved", False))
         reps = []
         for rep in range(cfg["repeats"]):
             if rep:
                 llm.reset_prefix_cache()
             if cfg.get("workload") == "steady":
-                reps.append(timed_steady(llm, rec, mgr, prompts, cfg))
+                reps.append(timed_steady(llm, rec, mgr, prompts, cfg, clock))
             else:
-                reps.append(timed_generate(llm, rec, mgr, prompts, params, cfg))
+                reps.append(timed_generate(llm, rec, mgr, prompts, params, cfg, clock))
         # best of N: on a shared machine the fastest repeat is the least disturbed
         best = max(reps, key=lambda r: r[best_key(cfg)] or 0.0)
         return {
@@ -181,7 +189,8 @@ def run_config(cfg: dict) -> dict:
             "repeat_out_tok_s": [r["out_tok_s"] for r in reps],
             "repeat_capacity_out_tok_s": [r.get("capacity_out_tok_s") for r in reps],
             "repeats_detail": [{k: v for k, v in r.items() if k not in
-                                ("output_token_ids", "blocks_trace", "running_trace")}
+                                ("output_token_ids", "blocks_trace", "running_trace",
+                                 "step_s", "step_tokens", "step_full", "step_running")}
                                for r in reps],
         }
     finally:
@@ -202,7 +211,7 @@ def steady_lengths(cfg) -> list[int]:
     return [rng.randint(n // 2, 3 * n // 2) for _ in range(cfg["num_requests"])]
 
 
-def timed_steady(llm, rec: StepRecorder, mgr, prompts, cfg) -> dict:
+def timed_steady(llm, rec: StepRecorder, mgr, prompts, cfg, clock: StepClock) -> dict:
     """The steady-state workload, driven step by step: request i is added at
     step i * arrival_gap, with its own output length.
 
@@ -210,7 +219,9 @@ def timed_steady(llm, rec: StepRecorder, mgr, prompts, cfg) -> dict:
     at capacity: output tokens per second over the steps after which vLLM's
     scheduler still had requests waiting (`Scheduler.get_request_counts()`),
     i.e. the steps in which memory, not the arrival schedule, set how many
-    requests ran. Stock and the plugin are measured by the same rule."""
+    requests ran. Stock and the plugin are measured by the same rule.
+    Per-step traces (step_s, step_tokens, step_full) let an interleaved run
+    take the steps in which every engine was at capacity (`paired_capacity`)."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
@@ -219,6 +230,7 @@ def timed_steady(llm, rec: StepRecorder, mgr, prompts, cfg) -> dict:
     done: dict[int, object] = {}
     emitted: dict[str, int] = {}
     full = {"steps": 0, "s": 0.0, "tokens": 0, "running": 0}
+    trace = {"step_s": [], "step_tokens": [], "step_full": [], "step_running": []}
 
     def run():
         step = added = 0
@@ -228,9 +240,8 @@ def timed_steady(llm, rec: StepRecorder, mgr, prompts, cfg) -> dict:
                                    SamplingParams(max_tokens=lengths[added], ignore_eos=True,
                                                   temperature=0.0))
                 added += 1
-            t = time.perf_counter()
             outs = engine.step()
-            dt = time.perf_counter() - t
+            dt = clock.last_s  # the step alone (interleaved: not the wait for its turn)
             new = 0
             for out in outs:
                 n = len(out.outputs[0].token_ids)
@@ -238,15 +249,20 @@ def timed_steady(llm, rec: StepRecorder, mgr, prompts, cfg) -> dict:
                 emitted[out.request_id] = n
                 if out.finished:
                     done[int(out.request_id)] = out
-            if rec.scheduler.get_request_counts()[1]:
+            waiting = bool(rec.scheduler.get_request_counts()[1])
+            running = rec.running[-1] if rec.running else 0
+            for key, v in zip(trace, (dt, new, waiting, running)):
+                trace[key].append(v)
+            if waiting:
                 full["steps"] += 1
                 full["s"] += dt
                 full["tokens"] += new
-                full["running"] += rec.running[-1] if rec.running else 0
+                full["running"] += running
             step += 1
         return [done[i] for i in range(len(prompts))]
 
-    res = _timed(rec, mgr, cfg, run, lengths)
+    res = _timed(rec, mgr, cfg, run, lengths, clock)
+    res.update(trace)
     n = full["steps"]
     res.update(capacity_steps=n, capacity_tokens=full["tokens"], capacity_s=full["s"],
                capacity_out_tok_s=full["tokens"] / full["s"] if full["s"] else None,
@@ -255,23 +271,24 @@ def timed_steady(llm, rec: StepRecorder, mgr, prompts, cfg) -> dict:
     return res
 
 
-def timed_generate(llm, rec: StepRecorder, mgr, prompts, params, cfg) -> dict:
+def timed_generate(llm, rec: StepRecorder, mgr, prompts, params, cfg, clock: StepClock) -> dict:
     return _timed(rec, mgr, cfg, lambda: llm.generate(
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False),
-        [cfg["output_len"]] * len(prompts))
+        [cfg["output_len"]] * len(prompts), clock)
 
 
-def _timed(rec: StepRecorder, mgr, cfg, run, lengths: list[int]) -> dict:
-    """Run `run()` (-> outputs in prompt order) under the recorder and timers."""
+def _timed(rec: StepRecorder, mgr, cfg, run, lengths: list[int], clock: StepClock) -> dict:
+    """Run `run()` (-> outputs in prompt order) under the recorder and timers.
+    Interleaved, the wall time is the sum of this engine's own steps."""
     prompts_len = cfg["prompt_len"] * len(lengths)
     rec.reset()
     comp0 = getattr(mgr, "num_compactions", 0)
     ev0 = getattr(mgr, "num_tokens_evicted", 0)
     load0 = os.getloadavg()
     c1 = time.process_time()
-    t1 = time.perf_counter()
+    t1, busy1, n1 = time.perf_counter(), clock.busy_s, len(clock.times)
     outs = run()
-    wall = time.perf_counter() - t1
+    wall = clock.busy_s - busy1 if clock.gated else time.perf_counter() - t1
     cpu = time.process_time() - c1
     load1 = os.getloadavg()
     n_out = [len(o.outputs[0].token_ids) for o in outs]
@@ -280,7 +297,7 @@ def _timed(rec: StepRecorder, mgr, cfg, run, lengths: list[int]) -> dict:
     logical = sum(v[0] for v in rec.last_len.values())
     physical = sum(v[1] for v in rec.last_len.values())
     steps = rec.steps
-    periods = sorted(b - a for a, b in zip(rec.stamps, rec.stamps[1:]))
+    own = sorted(clock.times[n1:])  # each step by itself
     return {
         "wall_s": wall,
         "cpu_s": cpu,
@@ -292,7 +309,7 @@ def _timed(rec: StepRecorder, mgr, cfg, run, lengths: list[int]) -> dict:
         "out_tok_per_cpu_s": out_tokens / cpu if cpu else None,
         "steps": steps,
         "ms_per_step": 1000 * wall / steps if steps else None,
-        "median_ms_per_step": 1000 * periods[len(periods) // 2] if periods else None,
+        "median_ms_per_step": 1000 * own[len(own) // 2] if own else None,
         "cpu_ms_per_step": 1000 * cpu / steps if steps else None,
         "peak_blocks": max(rec.blocks_used, default=0),
         "mean_blocks": sum(rec.blocks_used) / steps if steps else 0.0,
@@ -354,25 +371,93 @@ def run_one(cfg: dict, same_process: bool, verbose: bool) -> dict:
             res = {**cfg, "ok": False, "error": repr(exc)}
     else:
         res = run_in_subprocess(cfg, verbose)
+    _log_result(res)
+    return res
+
+
+def _log_result(res: dict) -> None:
+    what = f"{res['table']}: {res['policy']} budget={res['budget']}"
     if res.get("ok"):
-        print(f"[throughput] {label}: {res['out_tok_s']:.1f} out tok/s, "
+        print(f"[throughput] {what}: {res['out_tok_s']:.1f} out tok/s, "
               f"{res['wall_s']:.1f}s, preemptions={res['preemptions']}",
               file=sys.stderr, flush=True)
     else:
-        print(f"[throughput] {label}: FAILED {res.get('error')}", file=sys.stderr, flush=True)
-    return res
+        print(f"[throughput] {what}: FAILED {res.get('error')}", file=sys.stderr, flush=True)
 
 
 def run_rounds(cfgs: list[dict], args) -> list[dict]:
     """Every config once per round (--rounds), the order reversed on odd rounds
     so that no config always runs first or next to the same neighbour; each
-    config's result is its best run (`best_of`)."""
+    config's result is its best run (`best_of`). With --interleave, a round
+    runs each table's configs together, their steps interleaved."""
     runs: list[list[dict]] = [[] for _ in cfgs]
     for rnd in range(args.rounds):
         order = list(range(len(cfgs)))
+        if args.interleave:
+            for table in dict.fromkeys(c["table"] for c in cfgs):
+                idx = [i for i in order if cfgs[i]["table"] == table]
+                for i, r in zip(idx, run_table_interleaved([cfgs[i] for i in idx], args)):
+                    runs[i].append(r)
+            continue
         for i in (order if rnd % 2 == 0 else order[::-1]):
             runs[i].append(run_one(cfgs[i], args.same_process, args.verbose))
     return [best_of(rs) for rs in runs]
+
+
+def run_table_interleaved(cfgs: list[dict], args) -> list[dict]:
+    """One table's configs, each in its own process, their steps interleaved
+    (benchmarks/interleave.py); the steady table's capacity figures then
+    come from the steps at which every engine on the constrained pool was at
+    capacity (`paired_capacity`)."""
+    print(f"[throughput] running {cfgs[0]['table']}: "
+          f"{', '.join(label(c) for c in cfgs)} interleaved ...", file=sys.stderr, flush=True)
+    env = dict(os.environ)
+    if not args.verbose:
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    done = run_interleaved([([sys.executable, os.path.abspath(__file__), "--_child",
+                              json.dumps(dict(c, interleaved=True))], env) for c in cfgs],
+                           args.verbose)
+    results = []
+    for cfg, (res, rc, tail) in zip(cfgs, done):
+        if rc != 0 or res is None:
+            sys.stderr.write(tail)
+            errors = [ln.strip() for ln in tail.splitlines() if "rror" in ln]
+            res = {**cfg, "ok": False, "log_tail": tail,
+                   "error": f"exit {rc}: {errors[-1] if errors else 'no result'}"[:300]}
+        results.append(res)
+    if cfgs[0].get("workload") == "steady":
+        paired_capacity(results)
+    for r in results:
+        _log_result(r)
+    return results
+
+
+def paired_capacity(results: list[dict]) -> None:
+    """Interleaved steady runs: step k of every engine ran in round k. Restate
+    each run's figures at capacity over the rounds in which every engine on
+    the constrained pool (not the larger stock pools) had requests waiting,
+    so that all of them are measured over the same stretch of time. A run's
+    own stretch stays as own_capacity_*."""
+    ok = [r for r in results if r.get("ok")]
+    base = [r for r in ok if r.get("pool_multiple", 1) == 1]
+    if not base:
+        return
+    n = min(len(r["step_full"]) for r in base)
+    shared = [k for k in range(n) if all(r["step_full"][k] for r in base)]
+    for r in ok:
+        keys = shared if r in base else [k for k, f in enumerate(r["step_full"]) if f]
+        s = sum(r["step_s"][k] for k in keys)
+        tokens = sum(r["step_tokens"][k] for k in keys)
+        running = [r["step_running"][k] for k in keys]
+        for key in ("capacity_steps", "capacity_out_tok_s", "capacity_mean_running",
+                    "capacity_ms_per_step"):
+            r["own_" + key] = r.get(key)
+        r.update(capacity_steps=len(keys), capacity_tokens=tokens, capacity_s=s,
+                 capacity_out_tok_s=tokens / s if s else None,
+                 capacity_mean_running=sum(running) / len(running) if running else None,
+                 capacity_ms_per_step=1000 * s / len(keys) if keys else None,
+                 capacity_paired=r in base)
+        r["repeat_capacity_out_tok_s"] = [r["capacity_out_tok_s"]]  # one run per round
 
 
 def best_of(rs: list[dict]) -> dict:
@@ -494,6 +579,10 @@ def notes(results: list[dict]) -> str:
         if any(r.get("repeat_capacity_out_tok_s") or ()):
             reps += "; at capacity " + ", ".join(fmt(v, ".1f")
                                                  for v in r["repeat_capacity_out_tok_s"])
+        if r.get("capacity_paired"):
+            reps += (f" over the {r['capacity_steps']} interleaved steps at which every engine "
+                     f"on this pool was at capacity (its own {r['own_capacity_steps']} steps: "
+                     f"{fmt(r['own_capacity_out_tok_s'], '.1f')} tok/s)")
         load = f"{r['loadavg_before'][0]:.1f}->{r['loadavg_after'][0]:.1f}"
         out.append(f"- {name}: wall {r['wall_s']:.1f}s, {r['steps']} steps, "
                    f"mean {fmt(r['ms_per_step'], '.1f')} ms/step, CPU {r['cpu_s']:.1f}s, "
@@ -586,6 +675,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="smoke test: 8 requests, 64-token prompts, 64 generated, budget 64, "
                         "recent 32, pool 512 tokens, max_model_len 256; ample: 4 requests")
+    p.add_argument("--interleave", action="store_true",
+                   help="run each table's configurations together, one process each, their "
+                        "engine steps in turn (benchmarks/interleave.py): every engine sees "
+                        "the same machine state; each run is timed by its own steps")
     p.add_argument("--same-process", action="store_true",
                    help="run configurations sequentially in this process "
                         "(default: one fresh subprocess each)")
@@ -607,6 +700,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, k, v)
     if "none" not in args.policies:
         print("[throughput] note: no stock run, speedup columns will be '-'", file=sys.stderr)
+    if args.interleave and (args.same_process or args.repeats > 1 or args.ample_repeats > 1):
+        p.error("--interleave runs one fresh process per configuration and round: "
+                "use --rounds, not --repeats or --same-process")
     for b in args.budgets:
         if args.recent > b:
             p.error(f"--recent {args.recent} exceeds budget {b}")

@@ -1,0 +1,100 @@
+"""Engines stepped in turn: a fair comparison on a noisy machine.
+
+On this project's shared VMs the speed of the same matrix product flips
+between two levels 1.7x apart within seconds (a neighbour on the core's
+sibling). Runs of stock and the plugin minutes apart, or even back to back,
+land on different levels often enough to move a ratio by +/- 30%. Stepping
+the engines in turn, each in its own process, puts step k of every engine
+within one round of the others, so they share the machine's state.
+
+Child side: `StepClock(engine, gated=True)` wraps `engine.step`. Before each
+step it prints STEP_MARKER and waits for a line on stdin (its turn); it then
+times the step by itself (`last_s`, `busy_s`), so the wait for the others
+never counts. The child prints its result line (RESULT_MARKER) when done.
+
+Parent side: `run_interleaved(commands)` starts the children together, lets
+each run to its first gated step (engine build and warm-up, untimed), then
+gives each live child one step per round, the order reversed every other
+round, until every child has printed its result.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from common import RESULT_MARKER
+
+STEP_MARKER = "@@KVEVICT_STEP@@"
+
+
+class StepClock:
+    """Times every `engine.step()` by itself; gated: one step per turn."""
+
+    def __init__(self, engine, gated: bool) -> None:
+        self.gated, self.real = gated, engine.step
+        self.last_s = self.busy_s = 0.0
+        self.times: list[float] = []  # every step's own seconds
+        engine.step = self.step
+
+    def step(self):
+        if self.gated:
+            sys.stdout.write(STEP_MARKER + "\n")
+            sys.stdout.flush()
+            if not sys.stdin.readline():
+                raise SystemExit("interleave: the parent is gone")
+        t = time.perf_counter()
+        out = self.real()
+        self.last_s = time.perf_counter() - t
+        self.busy_s += self.last_s
+        self.times.append(self.last_s)
+        return out
+
+
+class _Child:
+    def __init__(self, cmd: list[str], env: dict, verbose: bool) -> None:
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=env)
+        self.verbose, self.tail, self.result = verbose, [], None
+
+    def advance(self) -> bool:
+        """Read up to its next turn (True) or its end (False)."""
+        for line in self.proc.stdout:
+            if line.startswith(STEP_MARKER):
+                return True
+            if line.startswith(RESULT_MARKER):
+                self.result = json.loads(line[len(RESULT_MARKER):])
+                continue
+            self.tail = (self.tail + [line])[-200:]
+            if self.verbose:
+                sys.stderr.write(line)
+        return False
+
+    def go(self) -> bool:
+        try:
+            self.proc.stdin.write("\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            return False
+        return self.advance()
+
+
+def run_interleaved(commands: list[tuple[list[str], dict]], verbose: bool = False
+                    ) -> list[tuple[dict | None, int, str]]:
+    """commands: (argv, env) per child. Returns (result or None, exit code,
+    last lines of output) per child, in order."""
+    children = [_Child(cmd, env, verbose) for cmd, env in commands]
+    live = [c for c in children if c.advance()]
+    rnd = 0
+    while live:
+        for c in (list(live) if rnd % 2 == 0 else live[::-1]):
+            if not c.go():
+                live.remove(c)
+        rnd += 1
+    out = []
+    for c in children:
+        c.proc.stdin.close()
+        out.append((c.result, c.proc.wait(), "".join(c.tail)))
+    return out
