@@ -3,12 +3,16 @@ one lucky or unlucky run cannot make.
 
 Every run is a fresh process running `vllm_kvevict.demo.run` (the README's
 main job: 16 chat requests x 256 tokens, budget 160, block 32, bf16). Each of
---rounds rounds runs every policy once, in an order rotated by one per round,
-so no policy is always first or always after the same neighbour. The table
-gives each policy's median output tok/s over the rounds and the median of its
-per-round ratios to stock.
+--rounds rounds runs every policy once. By default the policies of a round
+run together, one process each, their engine steps in turn
+(benchmarks/interleave.py), and each is timed by its own steps: on this
+project's VMs the machine's speed flips by 1.7x within seconds, and runs
+minutes apart do not compare. --sequential runs them one after another
+instead, in an order rotated by one per round, so no policy is always first
+or always after the same neighbour. The table gives each policy's median
+output tok/s over the rounds and the median of its per-round ratios to stock.
 
-    python benchmarks/demo_ratio.py [--rounds 3] [--policies none h2o ...] [--md OUT.md]
+    python benchmarks/demo_ratio.py [--rounds 3] [--policies none h2o ...] [--sequential] [--md OUT.md]
 """
 from __future__ import annotations
 
@@ -21,25 +25,49 @@ import subprocess
 import sys
 import time
 
-CHILD = ("import json, sys; from vllm_kvevict.demo import run, parse_args; "
-         "a = parse_args([]); r = run(a.model, sys.argv[1], a); "
-         "print('@@RESULT@@' + json.dumps({k: r[k] for k in ('tok_s', 'tok_cpu_s', 'peak_blocks')}))")
+from common import RESULT_MARKER
+from interleave import StepClock, run_interleaved
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHILD = ("import json, sys; sys.path.insert(0, sys.argv[3]); "
+         "from vllm_kvevict.demo import run, parse_args; from interleave import StepClock; "
+         "a = parse_args([]); gated = sys.argv[2] == 'gated'; "
+         "r = run(a.model, sys.argv[1], a, (lambda e: StepClock(e, True)) if gated else None); "
+         "print(sys.argv[4] + json.dumps({k: r[k] for k in ('tok_s', 'tok_cpu_s', 'peak_blocks')}), "
+         "flush=True)")
+
+
+def _argv(policy: str, gated: bool) -> list[str]:
+    return [sys.executable, "-c", CHILD, policy, "gated" if gated else "free", HERE,
+            RESULT_MARKER]
 
 
 def one(policy: str) -> dict:
     env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
-    out = subprocess.run([sys.executable, "-c", CHILD, policy], capture_output=True, text=True,
-                         env=env, timeout=1200)
-    line = next((x for x in out.stdout.splitlines() if x.startswith("@@RESULT@@")), None)
+    out = subprocess.run(_argv(policy, False), capture_output=True, text=True, env=env,
+                         timeout=1200)
+    line = next((x for x in out.stdout.splitlines() if x.startswith(RESULT_MARKER)), None)
     if out.returncode or line is None:
         raise RuntimeError(f"{policy} failed: {out.stderr[-2000:]}")
-    return json.loads(line[len("@@RESULT@@"):])
+    return json.loads(line[len(RESULT_MARKER):])
+
+
+def together(policies: list[str]) -> dict[str, dict]:
+    """One round: every policy in its own process, their engine steps in turn."""
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
+    done = run_interleaved([(_argv(p, True), env) for p in policies])
+    for p, (res, rc, tail) in zip(policies, done):
+        if rc or res is None:
+            raise RuntimeError(f"{p} failed (exit {rc}): {tail[-2000:]}")
+    return {p: res for p, (res, _, _) in zip(policies, done)}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--policies", nargs="+", default=["none", "h2o", "snapkv", "andpro", "streaming"])
+    p.add_argument("--sequential", action="store_true",
+                   help="one policy after another (rotated per round), not interleaved")
     p.add_argument("--md", help="also write the table here")
     args = p.parse_args(argv)
     from vllm_kvevict import cpu_kernel
@@ -50,8 +78,10 @@ def main(argv=None) -> int:
     t0 = time.time()
     for r in range(args.rounds):
         k = r % len(args.policies)
-        for policy in args.policies[k:] + args.policies[:k]:
-            res = one(policy)
+        order = args.policies[k:] + args.policies[:k]
+        results = ({p: one(p) for p in order} if args.sequential
+                   else together(order))
+        for policy, res in results.items():
             runs[policy].append(res["tok_s"])
             cpu[policy].append(res["tok_cpu_s"])
             print(f"round {r + 1}: {policy:9s} {res['tok_s']:.1f} tok/s, "
@@ -60,6 +90,7 @@ def main(argv=None) -> int:
     lines = [f"command: `{' '.join([os.path.relpath(sys.executable)] + sys.argv)}`  ",
              f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, flags "
              f"`{cpu_kernel.cpu_flags()}`; scoring path: {cpu_path()}; {args.rounds} rounds, "
+             f"{'sequential' if args.sequential else 'interleaved (each timed by its own steps)'}, "
              f"{time.time() - t0:.0f} s",
              "", "| policy | median out tok/s | runs | median ratio to stock (per round) "
              "| median tok per CPU-s | ratio to stock |", "|---|---:|---|---:|---:|---:|"]

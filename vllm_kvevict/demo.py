@@ -30,7 +30,10 @@ PROMPTS = [
 ]
 
 
-def run(model: str, policy: str, args) -> dict:
+def run(model: str, policy: str, args, step_clock=None) -> dict:
+    """One policy's batch. step_clock(engine) -> object with `busy_s`: wraps the
+    engine's steps, and tok/s is then over their time alone
+    (benchmarks/demo_ratio.py interleaves engines' steps with it)."""
     from vllm import LLM, SamplingParams
 
     from vllm_kvevict.probe import attach
@@ -43,9 +46,12 @@ def run(model: str, policy: str, args) -> dict:
     messages = [[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
                 for i in range(args.requests)]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    clock = step_clock(llm.llm_engine) if step_clock else None
     start, cpu = time.perf_counter(), time.process_time()
     outputs = llm.chat(messages, params, use_tqdm=False)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    if clock is not None:
+        elapsed = clock.busy_s
     seen = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outputs)
     evicted = sum(getattr(m, "num_tokens_evicted", 0) for m in probe.managers())
     result = dict(policy=policy, peak_blocks=probe.peak_used_blocks,
