@@ -40,5 +40,6 @@ def test_quiet_keeps_errors_only():
 def test_demo_ratio_calls_it_as_before():
     args = demo.parse_args([])  # what demo_ratio.py and step_breakdown.py do
     assert not args.verbose and args.model
-    assert list(inspect.signature(demo.run).parameters) == ["model", "policy", "args"]
+    assert list(inspect.signature(demo.run).parameters) == ["model", "policy", "args",
+                                                           "step_clock"]
     assert demo.parser().parse_args(["--verbose"]).verbose

@@ -1,0 +1,112 @@
+"""benchmarks/interleave.py: engines stepped in turn, each timed by its own
+steps; and throughput.py's capacity over the steps every engine was full.
+
+The children here step a stand-in engine (a sleep) rather than vLLM: what is
+under test is the turn-taking and the clock, which do not depend on what a
+step does. The benchmarks that use it run real engines."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+from interleave import StepClock, run_interleaved  # noqa: E402
+
+# A child with a stand-in engine: `steps` steps of `sleep` seconds each, every
+# step logged (name, start time) to `log`; the result is its StepClock's view.
+CHILD = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from common import RESULT_MARKER
+from interleave import StepClock
+name, steps, sleep, log = sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+
+class Engine:
+    def step(self):
+        with open(log, "a") as f:
+            f.write(name + "\\n")
+        time.sleep(sleep)
+
+engine = Engine()
+clock = StepClock(engine, gated=True)
+t0 = time.perf_counter()
+for _ in range(steps):
+    engine.step()
+wall = time.perf_counter() - t0
+print(RESULT_MARKER + json.dumps({"name": name, "busy_s": clock.busy_s, "wall_s": wall,
+                                  "steps": len(clock.times)}), flush=True)
+"""
+
+
+def child(name: str, steps: int, sleep: float, log: Path):
+    return ([sys.executable, "-c", CHILD, str(BENCH), name, str(steps), str(sleep), str(log)],
+            dict(os.environ))
+
+
+def test_engines_take_turns_and_each_is_timed_by_its_own_steps(tmp_path):
+    log = tmp_path / "steps.log"
+    out = run_interleaved([child("a", 3, 0.01, log), child("b", 5, 0.08, log)])
+    assert [rc for _, rc, _ in out] == [0, 0], [tail for _, _, tail in out]
+    # one step each per round, the order reversed every other round; once a
+    # has finished, b goes on alone
+    assert log.read_text().split() == ["a", "b", "b", "a", "a", "b", "b", "b"]
+    a, b = (res for res, _, _ in out)
+    assert (a["steps"], b["steps"]) == (3, 5)
+    # a's wall time includes waiting for b's 0.08 s steps; its clock does not
+    assert a["wall_s"] > 0.15
+    assert 0.03 <= a["busy_s"] < 0.1
+    assert b["busy_s"] >= 0.4
+
+
+def test_a_child_that_fails_is_reported_and_the_others_finish(tmp_path):
+    log = tmp_path / "steps.log"
+    bad = ([sys.executable, "-c", "import sys; print('boom', flush=True); sys.exit(3)"],
+           dict(os.environ))
+    out = run_interleaved([bad, child("a", 2, 0.0, log)])
+    (res_bad, rc_bad, tail_bad), (res_a, rc_a, _) = out
+    assert res_bad is None and rc_bad == 3 and "boom" in tail_bad
+    assert rc_a == 0 and res_a["steps"] == 2
+
+
+def test_an_ungated_clock_does_not_wait():
+    class Engine:
+        def step(self):
+            time.sleep(0.01)
+            return "out"
+
+    engine = Engine()
+    clock = StepClock(engine, gated=False)
+    assert engine.step() == "out" and engine.step() == "out"
+    assert len(clock.times) == 2 and clock.busy_s >= 0.02 and clock.last_s == clock.times[-1]
+
+
+def _steady_run(full, tokens, step_s, running, pool_multiple=1):
+    return {"ok": True, "pool_multiple": pool_multiple, "step_full": full,
+            "step_tokens": tokens, "step_s": step_s, "step_running": running,
+            "capacity_steps": sum(full), "capacity_out_tok_s": 1.0,
+            "capacity_mean_running": 1.0, "capacity_ms_per_step": 1.0}
+
+
+def test_paired_capacity_takes_the_steps_every_engine_on_the_pool_was_full():
+    import throughput
+    stock = _steady_run([1, 1, 1, 0, 1], [1, 2, 3, 4, 5], [0.1] * 5, [2, 2, 2, 2, 2])
+    plugin = _steady_run([0, 1, 1, 1, 1, 1], [10, 20, 30, 40, 50, 60], [0.5] * 6,
+                         [4, 4, 6, 6, 6, 6])
+    bigger = _steady_run([0, 0, 1, 0], [7, 7, 7, 7], [0.2] * 4, [8] * 4, pool_multiple=5)
+    throughput.paired_capacity([stock, plugin, bigger])
+    # steps 1, 2 and 4: both engines on the constrained pool had requests waiting
+    assert stock["capacity_steps"] == plugin["capacity_steps"] == 3
+    assert stock["capacity_out_tok_s"] == pytest.approx((2 + 3 + 5) / 0.3)
+    assert plugin["capacity_out_tok_s"] == pytest.approx((20 + 30 + 50) / 1.5)
+    assert plugin["capacity_mean_running"] == pytest.approx((4 + 6 + 6) / 3)
+    assert plugin["own_capacity_steps"] == 5 and plugin["capacity_paired"]
+    # the larger stock pool is not paired: its own stretch
+    assert bigger["capacity_steps"] == 1 and not bigger["capacity_paired"]
+    assert bigger["capacity_out_tok_s"] == pytest.approx(7 / 0.2)
