@@ -118,6 +118,49 @@ def test_every_policy_keeps_recent_and_keep_tokens_from_its_own_scores(name):
     assert (kept.diff(dim=1) > 0).all() and (kept[:, -recent:] == torch.arange(n - recent, n)).all()
 
 
+class CountingContext(DenseContext):
+    """DenseContext that notes which of the (costly, gathered) reads a policy made."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reads: set[str] = set()
+
+    def keys(self):
+        self.reads.add("keys")
+        return super().keys()
+
+    def values(self):
+        self.reads.add("values")
+        return super().values()
+
+    def accumulated(self):
+        self.reads.add("accumulated")
+        return super().accumulated()
+
+    def window(self):
+        self.reads.add("window")
+        return super().window()
+
+
+def test_each_policy_reads_only_what_its_scores_use():
+    """A compaction gathers every layer's keys or values from the paged cache on
+    first read (StackContext): SnapKV scores with the keys alone, so its
+    compactions must not gather the values AnDPro projects onto."""
+    g = torch.Generator().manual_seed(6)
+    layers, h, hq, n, d = 2, 3, 6, 40, 16
+    reads = {}
+    for name in POLICIES:
+        ctx = CountingContext(torch.randn(layers, h, n, d, generator=g),
+                              torch.randn(layers, h, n, d, generator=g),
+                              accumulated=torch.rand(layers, h, n, generator=g),
+                              window=(torch.randn(layers, 8, hq, d, generator=g), d ** -0.5),
+                              new_len=16, recent=8)
+        make_policy(name, sink=2, window=8).compaction_scores(ctx)
+        reads[name] = ctx.reads
+    assert reads == {"h2o": {"accumulated"}, "streaming": set(),
+                     "snapkv": {"window", "keys"}, "andpro": {"window", "keys", "values"}}
+
+
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_every_policy_checks_its_settings_and_names_the_flag(name):
     """A policy's own setting rules run through the config, whose error names

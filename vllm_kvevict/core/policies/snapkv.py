@@ -13,7 +13,8 @@ class SnapKVPolicy(WindowPolicy):
     queries give it, pooled."""
 
     name = "snapkv"
+    reads_values = False
 
-    def raw_scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def raw_scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                    scale: float) -> torch.Tensor:
         return attention_sums(q, k, scale)

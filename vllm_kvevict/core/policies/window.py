@@ -25,6 +25,9 @@ class WindowPolicy(EvictionPolicy):
     """
 
     records = Record.QUERIES
+    # AnDPro projects onto the values; SnapKV reads keys only, and gathering
+    # the values of every layer at each compaction would cost as much again.
+    reads_values = True
 
     def __init__(self, window: int = 32) -> None:
         self.window = window
@@ -44,13 +47,13 @@ class WindowPolicy(EvictionPolicy):
             return f"min({window}, {budget / 2:g})"  # a token count or half the budget
         return super().recent_in_force(budget, recent, sink, window)
 
-    def raw_scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def raw_scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                    scale: float) -> torch.Tensor:
         """(B, w, H_q, D), (B, H, n, D) x2 -> (B, H, n) float32 per-token scores
-        before pooling."""
+        before pooling (v None where the policy does not read values)."""
         raise NotImplementedError
 
-    def scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                scale: float, recent: int | None = None) -> torch.Tensor:
         """(B, w, H_q, D), (B, H, n, D) x2 -> (B, H, n) selection scores; the
         `recent` newest tokens (default: the window) are the ones always kept."""
@@ -67,4 +70,5 @@ class WindowPolicy(EvictionPolicy):
             return scores
         q, scale = win
         k = ctx.keys()
-        return self.scores(q.to(k.device), k, ctx.values(), scale, ctx.recent)
+        v = ctx.values() if self.reads_values else None
+        return self.scores(q.to(k.device), k, v, scale, ctx.recent)
