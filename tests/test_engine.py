@@ -70,25 +70,33 @@ def test_scoring_every_step_without_eviction_is_token_identical_to_stock(
     every step is scored (h2o: each query's attention, through the compiled CPU
     kernel where it is built; snapkv/andpro: the query window records), yet it
     never reaches the compaction threshold (budget + one block). Nothing is
-    evicted, and the tokens must equal stock vLLM's. streaming has no scores:
-    the same run proves its path with a budget below the length."""
+    evicted, and the tokens must equal stock vLLM's. Decode steps take the
+    log-only path where the compiled copier stores queries (every layer hands
+    its queries over by reference: QueryBuffers.hold_ref). streaming has no
+    scores: the same run proves its path with a budget below the length."""
     import torch
     from vllm import SamplingParams
 
     from vllm_kvevict import cpu_kernel
+    from vllm_kvevict.core.eviction.kernel_dispatch import cpu_copier
+    from vllm_kvevict.core.scoring.query_buffers import QueryBuffers
     from vllm_kvevict.probe import attach
     from vllm_kvevict.integration.worker import worker_state
 
     llm = engines.get(**engine_settings(policy))
     state = worker_state()
-    seen = {"kernel": 0, "window": 0}
-    real_record = state.query_window.record
+    seen = {"kernel": 0, "window": 0, "by_reference": 0}
+    ring = state.query_window.queries  # where the window's queries land (QueryBuffers)
+    real_store = ring._store
+    real_hold_ref = QueryBuffers.hold_ref  # the layers' hand-over in log-only steps
+    monkeypatch.setattr(QueryBuffers, "hold_ref", lambda self, *a: (
+        seen.__setitem__("by_reference", seen["by_reference"] + 1), real_hold_ref(self, *a)))
     for name in ("column_sums", "add_column_sums"):
         monkeypatch.setattr(cpu_kernel, name, lambda *a, f=getattr(cpu_kernel, name): (
             seen.__setitem__("kernel", seen["kernel"] + 1) or f(*a)))
-    monkeypatch.setattr(state.query_window, "record", lambda layer, q, placement, scale: (
-        seen.__setitem__("window", seen["window"] + placement.tokens.numel()),
-        real_record(layer, q, placement, scale)))
+    monkeypatch.setattr(ring, "_store", lambda items, placement, rows: (
+        seen.__setitem__("window", seen["window"] + len(items) * placement.tokens.numel()),
+        real_store(items, placement, rows)))
     with torch.inference_mode():  # the buffers were made inside vLLM's inference mode
         for lc in state.layers.values():
             lc.scores.zero_()
@@ -99,12 +107,16 @@ def test_scoring_every_step_without_eviction_is_token_identical_to_stock(
     before = totals(probe)
     ours = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert totals(probe) == before  # nothing evicted
+    ring.commit()  # the last step's queries, still held by reference
     records = POLICIES[policy].records
     if records is Record.ATTENTION:
         assert sum(float(lc.scores.abs().sum()) for lc in state.layers.values()) > 0
         assert seen["kernel"] > 0 or cpu_kernel.isa() is None
-    if records is Record.QUERIES:  # every token's query, in every layer
+    if records is Record.QUERIES:  # every token's query, in every layer, stored in the ring
         assert seen["window"] >= len(state.layers) * len(PROMPTS) * STOCK_TOKENS
+    if records is not Record.NOTHING and cpu_copier() is not None:
+        # decode steps only log: each layer handed its queries over by reference
+        assert seen["by_reference"] >= len(state.layers) * (STOCK_TOKENS - 1)
     assert ours == stock_ids(model_path, DTYPE), policy
 
 

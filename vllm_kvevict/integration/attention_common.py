@@ -33,6 +33,9 @@ from vllm_kvevict.integration.worker import worker_state
 
 PLACEMENT_ATTR = "kvevict_decode_placement"  # set on a step's attention metadata
 SCORED_ATTR = "kvevict_scored_rows"  # (num_reqs,) bool, or None for all rows
+# QueryBuffers taking every layer's queries by reference this step, or None
+# (CPU builder: WorkerEviction.log_only)
+LOG_ONLY_ATTR = "kvevict_log_only"
 HOST_ATTR = "kvevict_host_lens"  # HostLens of the step (CUDA builder)
 
 

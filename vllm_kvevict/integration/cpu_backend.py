@@ -28,7 +28,10 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from vllm_kvevict.core.layouts.cpu_layout import KVLayout
+from vllm.v1.attention.backend import AttentionType
+
 from vllm_kvevict.integration.attention_common import (
+    LOG_ONLY_ATTR,
     PLACEMENT_ATTR,
     SCORED_ATTR,
     evictable_spec,
@@ -68,9 +71,12 @@ class EvictingCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         placement = self.state.place_queries(cm.num_reqs, cm.query_start_loc_cpu,
                                              cm.seq_lens[: cm.num_reqs].cpu(),
                                              logical.seq_lens[: cm.num_reqs].cpu(), scored)
+        log_only = None
         if placement is not None:  # the layers only log: zero new slots here, once
             self.state.zero_new_slots(cm.slot_mapping, cm.num_actual_tokens)
+            log_only = self.state.log_only(placement, cm.num_actual_tokens)
         setattr(metadata, PLACEMENT_ATTR, placement)
+        setattr(metadata, LOG_ONLY_ATTR, log_only)
         setattr(metadata, SCORED_ATTR, scored)
         return metadata
 
@@ -95,10 +101,19 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
         write_kv(self, layer, key, value, kv_cache, attn_metadata)
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata,
                               output, output_scale, output_block_scale)
+        state = worker_state()
+        if state is None:
+            return out
+        log = getattr(attn_metadata, LOG_ONLY_ATTR, None)
+        if (log is not None and self.attn_type == AttentionType.DECODER
+                and state.knows(layer.layer_name, kv_cache)):
+            # All this step asks of the layer is its queries (decided once, by
+            # the builder): no per-layer dispatch (QueryBuffers.hold_ref).
+            log.hold_ref(layer.layer_name, query[: attn_metadata.num_actual_tokens], self.scale)
+            return out
         make_layout = lambda kv: layout_for_cache(kv, layer.isa)  # noqa: E731
         score_step(self, layer, query, kv_cache, attn_metadata, make_layout)
-        state = worker_state()
-        if state is not None and state.cfg.offload and state.host is not None:
+        if state.host is not None and state.cfg.offload:
             lc = state.layer(layer.layer_name, kv_cache, make_layout)
             host_decode(state, layer, query, kv_cache, attn_metadata, output, lc.layout)
         return out

@@ -28,6 +28,7 @@ from vllm_kvevict.core.eviction.plans import CompactionPlan, EvictionStep
 from vllm_kvevict.core.layouts.layer_stack import LayerCache, LayerStack
 from vllm_kvevict.core.policies import Record
 from vllm_kvevict.core.scoring.decode_log import StepPlacement
+from vllm_kvevict.core.scoring.query_buffers import QueryBuffers
 from vllm_kvevict.core.scoring.scores import accumulate_scores
 
 
@@ -61,6 +62,12 @@ class Recorder:
 
     def zero_new_slots(self, slot_mapping: torch.Tensor, num_tokens: int) -> None:
         """New tokens start with zero recorded importance, whatever their slot held."""
+
+    def log_only(self, placement: StepPlacement, num_tokens: int) -> QueryBuffers | None:
+        """Once per step, from the CPU builder: the buffers that take every
+        layer's queries by reference (`QueryBuffers.hold_ref`) when all `record`
+        would do this step is log them, else None (the layers call `record`)."""
+        return None
 
     def record(self, layer: str, lc: LayerCache, query: torch.Tensor, kv_cache: torch.Tensor,
                scale: float, attn_metadata, placement: StepPlacement | None,
@@ -103,6 +110,13 @@ class AttentionRecorder(Recorder):
         placement.defer(state.chunk_log.place(req_ids, q_lens, seq_lens, scored), q_lens, scored)
         return placement
 
+    def log_only(self, placement, num_tokens):
+        log = self.state.decode_log
+        if placement.deferred is None and not placement.score_now and \
+                log.queries.by_reference(placement, num_tokens, log.visible.shape[0]):
+            return log.queries
+        return None
+
     def zero_new_slots(self, slot_mapping: torch.Tensor, num_tokens: int) -> None:
         state = self.state
         if not state.layers:
@@ -144,6 +158,10 @@ class QueryRecorder(Recorder):
 
     def place(self, req_ids, q_lens, seq_lens, logical_seq_lens, scored):
         return self.state.query_window.place(req_ids, q_lens, logical_seq_lens, scored)
+
+    def log_only(self, placement, num_tokens):
+        win = self.state.query_window
+        return win.queries if win.queries.by_reference(placement, num_tokens, win.capacity) else None
 
     def record(self, layer, lc, query, kv_cache, scale, attn_metadata, placement, rows, host):
         if placement is not None:

@@ -51,6 +51,7 @@ from vllm_kvevict.core.layouts.layer_stack import LayerCache, LayerStack
 from vllm_kvevict.core.eviction.plans import STEP_ATTR, CompactionPlan, EvictionStep
 from vllm_kvevict.core.policies import make_policy
 from vllm_kvevict.core.scoring.private_scores import PrivateScores, restore
+from vllm_kvevict.core.scoring.query_buffers import QueryBuffers
 from vllm_kvevict.core.scoring.query_window import QueryWindow
 from vllm_kvevict.integration.metrics import Snapshot
 from vllm_kvevict.integration.recorders import RECORDERS, Recorder, StackContext
@@ -116,6 +117,12 @@ class WorkerEviction:
             self.layers[name] = lc
             self._stack_cache = None  # the layer set changed: re-stack on next use
         return lc
+
+    def knows(self, name: str, kv_cache: torch.Tensor) -> bool:
+        """The layer is registered with this very cache tensor (`layer` would
+        change nothing): the per-layer fast path may skip it."""
+        lc = self.layers.get(name)
+        return lc is not None and lc.kv_cache is kv_cache
 
     # --- per step (called before the runner's _update_states) -------------------
 
@@ -206,6 +213,15 @@ class WorkerEviction:
             self.runner.input_batch.req_ids[:num_reqs], [b - a for a, b in zip(qsl, qsl[1:])],
             seq_lens[:num_reqs].tolist(), logical_seq_lens[:num_reqs].tolist(),
             None if scored is None else scored.tolist())
+
+    def log_only(self, placement: StepPlacement, num_tokens: int) -> QueryBuffers | None:
+        """Once per step, from the CPU builder: the buffers every layer hands its
+        queries to by reference (`QueryBuffers.hold_ref`) when logging them is
+        all the layers do this step (Recorder.log_only), else None. Never
+        with offload: its layers also read and write the host tier."""
+        if self.cfg.offload:
+            return None
+        return self.recorder.log_only(placement, num_tokens)
 
     def zero_new_slots(self, slot_mapping: torch.Tensor, num_tokens: int) -> None:
         """New tokens start with zero importance, whatever their slot held
