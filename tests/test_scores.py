@@ -202,11 +202,21 @@ def test_chunk_log_scores_a_deferred_chunk_as_its_forward_would():
     assert torch.equal(lc.scores, before)
 
 
-def test_decode_log_flush_scores_every_layer_of_a_stack_in_one_call():
+def test_decode_log_reads_consecutive_rows_as_a_view():
+    from vllm_kvevict.core.scoring.decode_log import rows_of
+
+    assert rows_of([0, 1, 2]) == slice(0, 3) and rows_of([4]) == slice(4, 5)
+    assert torch.equal(rows_of([0, 2, 3]), torch.tensor([0, 2, 3]))
+
+
+@pytest.mark.parametrize("flush_order", [["a", "b"], ["b", "a"]])
+def test_decode_log_flush_scores_every_layer_of_a_stack_in_one_call(flush_order):
     """Three layers in one buffer (as vLLM allocates them), one LayerStack: the
     decode log's flush scores each layer's logged queries against that layer's
     keys only, equal to the dense loop per layer; a request's private row (layer
-    1 only) takes its first positions there instead of the shared slots."""
+    1 only) takes its first positions there instead of the shared slots. The
+    order the requests are named in does not matter (the flush reads rows in
+    buffer order)."""
     from vllm_kvevict.core.scoring.decode_log import DecodeQueryLog
     from vllm_kvevict.core.layouts.layer_stack import LayerCache, LayerStack
 
@@ -235,7 +245,7 @@ def test_decode_log_flush_scores_every_layer_of_a_stack_in_one_call():
             log.record(name, q, placement, 0.2)
             queries[name].append(q)
     private = torch.zeros(h, 16)  # "b" scores its first 16 positions in layer 1 here
-    log.flush(["a", "b"], stacks, table.get,
+    log.flush(flush_order, stacks, table.get,
               lambda r, name, st: private if (r, name) == ("b", "l1") else None)
 
     for i, name in enumerate(layers):

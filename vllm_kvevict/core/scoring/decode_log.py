@@ -63,6 +63,15 @@ class StepPlacement:
             for i, n in enumerate(q_lens))
 
 
+def rows_of(rows: list[int]) -> slice | torch.Tensor:
+    """Ascending buffer rows as an index: a slice where they are consecutive
+    (every request flushing at once, as in a lockstep batch), so that reading
+    the queries is a view, not a gather of every layer's log; else a tensor."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, dtype=torch.int64)
+
+
 def free_row(row_of: dict[str, int]) -> int:
     """The lowest buffer row no request holds."""
     used = set(row_of.values())
@@ -191,7 +200,8 @@ class DecodeQueryLog:
         ids = [r for r in ids if blocks[r] is not None]
         if not ids or not self.queries:
             return
-        rows = torch.tensor([self.row_of[r] for r in ids], dtype=torch.int64)
+        ids.sort(key=self.row_of.__getitem__)
+        rows = rows_of([self.row_of[r] for r in ids])
         nq = max(self.count[r] for r in ids)
         score_logged(stacks, ids, [blocks[r] for r in ids], self.visible[rows, :nq],
                      lambda name: None if name not in self.queries
