@@ -350,12 +350,17 @@ def run_in_subprocess(cfg: dict, verbose: bool) -> dict:
                 sys.stderr.write(line)
     rc = proc.wait()
     if rc != 0 or result is None:
-        sys.stderr.write("".join(tail))
-        errors = [ln.strip() for ln in tail if "Error" in ln or "error" in ln]
-        return {**cfg, "ok": False,
-                "error": f"exit {rc}: {errors[-1] if errors else 'no result'}"[:300],
-                "log_tail": "".join(tail)}
+        return child_failure(cfg, rc, "".join(tail))
     return result
+
+
+def child_failure(cfg: dict, rc: int, tail: str) -> dict:
+    """A child that exited without a result: its log's last lines on stderr,
+    and a failed row naming the last error line."""
+    sys.stderr.write(tail)
+    errors = [ln.strip() for ln in tail.splitlines() if "Error" in ln or "error" in ln]
+    return {**cfg, "ok": False, "log_tail": tail,
+            "error": f"exit {rc}: {errors[-1] if errors else 'no result'}"[:300]}
 
 
 def run_one(cfg: dict, same_process: bool, verbose: bool) -> dict:
@@ -419,12 +424,7 @@ def run_table_interleaved(cfgs: list[dict], args) -> list[dict]:
                            args.verbose)
     results = []
     for cfg, (res, rc, tail) in zip(cfgs, done):
-        if rc != 0 or res is None:
-            sys.stderr.write(tail)
-            errors = [ln.strip() for ln in tail.splitlines() if "rror" in ln]
-            res = {**cfg, "ok": False, "log_tail": tail,
-                   "error": f"exit {rc}: {errors[-1] if errors else 'no result'}"[:300]}
-        results.append(res)
+        results.append(child_failure(cfg, rc, tail) if rc != 0 or res is None else res)
     if cfgs[0].get("workload") == "steady":
         paired_capacity(results)
     for r in results:
