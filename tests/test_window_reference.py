@@ -15,6 +15,7 @@ kept sets must be exact.
 """
 from __future__ import annotations
 
+import copy
 import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # worker in this process
@@ -150,3 +151,49 @@ def test_window_policy_with_a_prefix_hit_matches_dense_reference(llm, hf, prompt
     assert not check.report, "\n".join(check.report[:20])
     assert check.exact >= EXACT_FLOOR[kind] * check.total, check.summary()
     assert tokens == ref_tokens
+
+
+def test_snapkv_scores_its_window_in_place_as_from_gathered_keys(llm, prompts, monkeypatch):
+    """SnapKV's compactions read the keys in place from the paged cache
+    (StackContext.window_attention_sums: no gather of every layer's keys)
+    where the window holds the request's last slots in age order, and score
+    what the gathered keys give. Here every compaction follows at least a
+    window of new tokens, so all take it; the same contexts with one window
+    token swapped with an older one must refuse (the gathered keys are then
+    scored). AnDPro projects onto the values and never takes this path."""
+    from vllm_kvevict import cpu_kernel
+    from vllm_kvevict.core.scoring.window_scores import attention_sums
+    from vllm_kvevict.integration.recorders import StackContext
+
+    kind, engine = llm
+    if cpu_kernel.module() is None:
+        pytest.skip("the compiled CPU kernel is not built (scripts/setup.sh builds it)")
+    seen = {"in_place": 0, "refused": 0, "reordered": 0}
+    in_place = StackContext.window_attention_sums
+
+    def checked(ctx, q, scale):
+        got = in_place(ctx, q, scale)
+        if got is None:
+            seen["refused"] += 1
+            return None
+        seen["in_place"] += 1
+        want = attention_sums(q, ctx.keys(), scale)  # the gathered path's scores
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        seen["reordered"] += ctx.rows is not None  # a compaction after the first
+        swapped = copy.copy(ctx)
+        rows = (ctx.rows if ctx.rows is not None else
+                torch.arange(ctx.old_len).expand(ctx.num_layers, ctx.num_kv_heads, -1))
+        swapped.rows = rows.clone()
+        swapped.rows[..., [0, -1]] = rows[..., [-1, 0]]  # the newest token in slot 0
+        assert in_place(swapped, q, scale) is None
+        return got
+
+    monkeypatch.setattr(StackContext, "window_attention_sums", checked)
+    tokens, snaps, _ = _vllm_generate(engine, prompts[2], MAX_TOKENS, {"kv_prefill_cap": 0},
+                                      salt=f"{kind}-in-place")
+    assert len(snaps) >= 3 and len(tokens) == MAX_TOKENS
+    if kind == "andpro":
+        assert seen == {"in_place": 0, "refused": 0, "reordered": 0}, seen
+    else:
+        assert seen["in_place"] == len(snaps) and seen["refused"] == 0, (seen, len(snaps))
+        assert seen["reordered"] >= 1, seen  # slots out of age order, mapped back

@@ -104,9 +104,13 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
         state = worker_state()
         if state is None:
             return out
+        known = state.knows(layer.layer_name, kv_cache)
+        if known and not state.recorder.scoring and not state.cfg.offload:
+            # The policy records nothing (streaming: it keeps tokens by age) and
+            # the layer is registered: nothing for this layer to do.
+            return out
         log = getattr(attn_metadata, LOG_ONLY_ATTR, None)
-        if (log is not None and self.attn_type == AttentionType.DECODER
-                and state.knows(layer.layer_name, kv_cache)):
+        if log is not None and self.attn_type == AttentionType.DECODER and known:
             # All this step asks of the layer is its queries (decided once, by
             # the builder): no per-layer dispatch (QueryBuffers.hold_ref).
             log.hold_ref(layer.layer_name, query[: attn_metadata.num_actual_tokens], self.scale)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from vllm_kvevict.core.eviction.compaction import by_age
-from vllm_kvevict.core.eviction.kernel_dispatch import cpu_token_mover
+from vllm_kvevict.core.eviction.kernel_dispatch import cpu_kernel_isa, cpu_token_mover
 from vllm_kvevict.core.eviction.plans import CompactionPlan, EvictionStep
 from vllm_kvevict.core.layouts.layer_stack import LayerCache, LayerStack
 from vllm_kvevict.core.policies import Record
@@ -227,6 +227,34 @@ class StackContext:
         if self._v is None:
             self._v = self._gather(values=True)
         return self._v
+
+    def window_attention_sums(self, q: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """SnapKV's raw scores read in place from the paged cache by the
+        compiled CPU kernel (no gather of every layer's keys), or None where
+        that kernel does not run on this cache, or where the window's w tokens
+        are not the request's last w slots in age order (then `keys()`).
+
+        Slot order may stand in for age order: every token outside the window
+        is older than every window query, so each query sees all of them
+        wherever they lie, and the window's own causal mask needs only its
+        tokens in order at the end. That holds at the first compaction and
+        whenever at least w tokens were appended since the last one (decode
+        compacts once per block: w <= block size)."""
+        st, n, w = self.st, self.old_len, q.shape[1]
+        kc, _ = st.layout.split(st.kv_cache)
+        isa = cpu_kernel_isa(q, kc, st.layout)
+        if isa is None or not 0 < w <= n:
+            return None
+        if self.rows is not None:
+            tail = self.rows[..., n - w:]
+            if not torch.equal(tail, torch.arange(n - w, n, dtype=tail.dtype).expand_as(tail)):
+                return None
+        from vllm_kvevict import cpu_kernel
+
+        visible = torch.arange(n - w + 1, n + 1).expand(self.num_layers, w)
+        sums = cpu_kernel.column_sums(st.layout, kc, q, visible, self.src_rows, scale, isa)
+        sums = sums[..., :n]  # (L, H, n) in slot order
+        return sums if self.rows is None else sums.gather(2, self.rows.long())
 
     def accumulated(self) -> torch.Tensor:
         if not self.st.scores.shape[1]:

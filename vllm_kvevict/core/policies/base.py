@@ -84,6 +84,12 @@ class CompactionContext(Protocol):
         ring holds no window for this compaction (e.g. a prompt that came from
         elsewhere)."""
 
+    def window_attention_sums(self, q: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """(L, H, n) float32 attention of the (L, w, H_q, D) window queries
+        `q` summed per token over queries and query heads (SnapKV's raw
+        scores), oldest first, computed where the keys lie; or None where the
+        context cannot (the policy then scores `keys()`)."""
+
 
 class PolicySettingError(ValueError):
     """A setting this policy cannot run with; the config names the flag of
@@ -206,3 +212,6 @@ class DenseContext:
 
     def window(self) -> tuple[torch.Tensor, float] | None:
         return self._window
+
+    def window_attention_sums(self, q: torch.Tensor, scale: float) -> None:
+        return None  # the keys are in hand: the policy scores them

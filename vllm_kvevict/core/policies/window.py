@@ -69,6 +69,11 @@ class WindowPolicy(EvictionPolicy):
             scores[..., 0] = float("inf")
             return scores
         q, scale = win
+        return finalize(self.context_raw_scores(ctx, q, scale), ctx.recent)
+
+    def context_raw_scores(self, ctx: CompactionContext, q: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+        """(L, H, n) `raw_scores` of ctx's tokens for the window queries q."""
         k = ctx.keys()
         v = ctx.values() if self.reads_values else None
-        return self.scores(q.to(k.device), k, v, scale, ctx.recent)
+        return self.raw_scores(q.to(k.device), k, v, scale)
