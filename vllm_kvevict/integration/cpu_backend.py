@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from vllm import _custom_ops as ops
 from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -28,8 +29,6 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from vllm_kvevict.core.layouts.cpu_layout import KVLayout
-from vllm.v1.attention.backend import AttentionType
-
 from vllm_kvevict.integration.attention_common import (
     LOG_ONLY_ATTR,
     PLACEMENT_ATTR,
