@@ -14,7 +14,8 @@ import pytest
 import torch
 from conftest import needs_stock_writer
 
-from vllm_kvevict.core.eviction.compaction import fill_holes, hole_moves
+from vllm_kvevict import cpu_kernel
+from vllm_kvevict.core.eviction.compaction import _plan_torch, fill_holes, hole_moves
 from vllm_kvevict.core.layouts.cpu_layout import split_kv_cache
 from vllm_kvevict.core.layouts.nhd_layout import NHDLayout
 from vllm_kvevict.integration.cpu_backend import discover_layout
@@ -31,6 +32,39 @@ def test_hole_moves_pair_each_row_and_move_only_what_lies_past_new_len():
     assert row.tolist() == [0, 0, 2, 2, 2, 2]
     assert src.tolist() == [5, 6, 4, 5, 6, 7]
     assert dst.tolist() == [1, 3, 0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("b, h, old_len, new_len, bs", [
+    (1, 1, 40, 40, 16), (2, 3, 53, 35, 16), (30, 3, 192, 160, 32), (4, 2, 70, 8, 8)])
+def test_compiled_plan_is_the_torch_plan(b, h, old_len, new_len, bs):
+    """`plan_hole_moves` (cpu_kernel/token_moves.h) returns the moves and the
+    new slots of torch's plan, move for move, on random kept sets; a row with
+    a repeated or out-of-range index is refused before anything is planned."""
+    mod = cpu_kernel.module()
+    if mod is None:
+        pytest.fail("the CPU kernel is not built: scripts/setup.sh builds it")
+    gen = torch.Generator().manual_seed(old_len)
+    keep = torch.stack([torch.randperm(old_len, generator=gen)[:new_len] for _ in range(b * h)])
+    keep = keep.view(b, h, new_len)
+    n_src = -(-old_len // bs)
+    src = torch.randperm(b * n_src + 8, generator=gen)[: b * n_src].view(b, n_src)
+    dst = src[:, : -(-new_len // bs)].clone()
+    dst[0, 0] = b * n_src + 7  # a private copy of a shared block
+    *moves, now = mod.plan_hole_moves(keep, old_len, src, dst, bs)
+    want_moves, want_now = _plan_torch(keep, old_len, src, dst, bs)
+    assert len(moves) == len(want_moves) == 5
+    for got, want in zip(moves, want_moves):
+        assert torch.equal(got, want)
+    assert torch.equal(now, want_now)
+    if new_len < old_len:
+        assert moves[0].numel() > 0  # the case moved something
+    bad = keep.clone()
+    bad[0, 0, 1] = bad[0, 0, 0]
+    with pytest.raises(RuntimeError, match="distinct"):
+        mod.plan_hole_moves(bad, old_len, src, dst, bs)
+    bad[0, 0, 1] = old_len
+    with pytest.raises(RuntimeError, match="distinct"):
+        mod.plan_hole_moves(bad, old_len, src, dst, bs)
 
 
 def _layout(name):
@@ -58,9 +92,13 @@ def _random_keep(gen, rows, old_len, new_len, recent):
     return torch.stack(out).view(rows, H, new_len)
 
 
+@pytest.mark.parametrize("kernels", ["auto", "torch"])  # the compiled plan and moves, or torch's
 @pytest.mark.parametrize("name", ["vec-strided", "vec-fallback", "amx-strided", "nhd"])
 @pytest.mark.parametrize("copy_on_write", [False, True])
-def test_fill_holes_holds_what_ordered_compaction_holds(name, copy_on_write):
+def test_fill_holes_holds_what_ordered_compaction_holds(name, copy_on_write, kernels, monkeypatch):
+    monkeypatch.setenv("VLLM_KVEVICT_KERNELS", kernels)
+    if kernels == "auto" and name != "nhd" and cpu_kernel.module() is None:
+        pytest.fail("the CPU kernel is not built: scripts/setup.sh builds it")
     layout, split = _layout(name)
     gen = torch.Generator().manual_seed(7)
     old_len, new_len = 3 * BS + 5, 2 * BS + 3   # 53 -> 35 tokens, 4 -> 3 blocks

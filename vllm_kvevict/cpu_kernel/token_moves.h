@@ -11,8 +11,10 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace token_moves {
 
@@ -161,10 +163,24 @@ void copy_blocks(at::Tensor key_cache, at::Tensor value_cache, const at::Tensor&
   }
 }
 
-// dsts[l][cells[i]] = srcs[l][i] for every pair l, rows of 2-D views (a row's
-// elements contiguous): a step's queries of every layer stored in the query
-// logs at once (core/scoring/query_buffers.py). One memcpy per row; torch's
-// index_copy_ moved these element by element, one call per layer.
+// Elements in each row of t when its rows run along dim 0 and each row's
+// elements are contiguous (any inner shape), else -1.
+int64_t row_elements(const at::Tensor& t) {
+  int64_t expect = 1;
+  for (int64_t k = t.dim() - 1; k >= 1; --k) {
+    if (t.size(k) != 1 && t.stride(k) != expect) return -1;
+    expect *= t.size(k);
+  }
+  return t.dim() >= 1 ? expect : -1;
+}
+
+// dsts[l] row cells[i] = srcs[l] row i for every pair l: a step's queries of
+// every layer stored in the query logs at once (core/scoring/query_buffers.py).
+// srcs[l]: rows along dim 0, each row's E elements contiguous (a layer's
+// (N, H_q, D) queries as handed over); dsts[l]: contiguous, seen as rows of E
+// elements (a (R, cols, H_q, D) buffer: cell = row * cols + col). One memcpy
+// per row, no tensor views in Python; torch's index_copy_ moved these element
+// by element, one call per layer.
 void copy_rows(std::vector<at::Tensor> dsts, const at::Tensor& cells,
                const std::vector<at::Tensor>& srcs) {
   TORCH_CHECK(dsts.size() == srcs.size(), "as many dst as src tensors");
@@ -173,20 +189,88 @@ void copy_rows(std::vector<at::Tensor> dsts, const at::Tensor& cells,
   const int64_t* c = cells.data_ptr<int64_t>();
   for (size_t l = 0; l < dsts.size(); ++l) {  // everything checked before anything is written
     const at::Tensor &dst = dsts[l], &src = srcs[l];
-    TORCH_CHECK(dst.dim() == 2 && src.dim() == 2 && dst.size(1) == src.size(1) &&
-                dst.stride(1) == 1 && src.stride(1) == 1 && dst.scalar_type() == src.scalar_type(),
-                "dst (N, E), src (M, E): one dtype, rows contiguous");
+    const int64_t e = row_elements(src);
+    TORCH_CHECK(e > 0 && dst.is_contiguous() && dst.numel() % e == 0 &&
+                dst.scalar_type() == src.scalar_type(),
+                "src: rows along dim 0, each contiguous; dst: contiguous, a whole number of "
+                "such rows; one dtype");
     TORCH_CHECK(src.size(0) == n, "cells: one per src row");
-    for (int64_t i = 0; i < n; ++i) TORCH_CHECK(c[i] >= 0 && c[i] < dst.size(0), "cell ", c[i], " outside dst");
+    for (int64_t i = 0; i < n; ++i)
+      TORCH_CHECK(c[i] >= 0 && c[i] < dst.numel() / e, "cell ", c[i], " outside dst");
   }
   for (size_t l = 0; l < dsts.size(); ++l) {
     const at::Tensor &dst = dsts[l], &src = srcs[l];
-    const int64_t bytes = dst.size(1) * dst.element_size();
+    const int64_t es = dst.element_size(), bytes = row_elements(src) * es;
     char* d = static_cast<char*>(dst.data_ptr());
     const char* s = static_cast<const char*>(src.data_ptr());
-    const int64_t ds = dst.stride(0) * dst.element_size(), ss = src.stride(0) * src.element_size();
-    for (int64_t i = 0; i < n; ++i) std::memcpy(d + c[i] * ds, s + i * ss, bytes);
+    const int64_t ss = src.stride(0) * es;
+    for (int64_t i = 0; i < n; ++i) std::memcpy(d + c[i] * bytes, s + i * ss, bytes);
   }
+}
+
+// Compaction's plan for `move_tokens`, from the kept sets: keep (B, H, new_len)
+// int64, each (b, h) row's distinct kept indices into old slots [0, old_len),
+// in any order; src_blocks (B, n_src), dst_blocks (B, n_dst) int64 the rows'
+// blocks before and after. The kept tokens at slots >= new_len fill the
+// dropped slots < new_len, paired in ascending order within each row (as
+// core/eviction/compaction.hole_moves). Returns (src_blk, src_off, dst_blk,
+// dst_off, head), each (M,) int64, and now (B, H, new_len) int64: the slot
+// each kept token holds afterwards. One pass over each row with a bitmap; the
+// same in torch was about twenty small ops (nonzero, index, scatter).
+std::vector<at::Tensor> plan_hole_moves(const at::Tensor& keep, int64_t old_len,
+                                        const at::Tensor& src_blocks, const at::Tensor& dst_blocks,
+                                        int64_t block_size) {
+  TORCH_CHECK(keep.scalar_type() == at::kLong && keep.is_contiguous() && keep.dim() == 3,
+              "keep: contiguous int64 (B, H, new_len)");
+  const int64_t b = keep.size(0), h = keep.size(1), new_len = keep.size(2), bs = block_size;
+  TORCH_CHECK(bs > 0 && new_len <= old_len, "block_size > 0 and new_len <= old_len");
+  for (const at::Tensor* t : {&src_blocks, &dst_blocks})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 2 && t->size(0) == b,
+                "src_blocks, dst_blocks: contiguous int64 (B, n)");
+  const int64_t n_src = src_blocks.size(1), n_dst = dst_blocks.size(1);
+  TORCH_CHECK(n_src * bs >= old_len && n_dst * bs >= new_len, "too few blocks for the tokens");
+  const int64_t* kp = keep.data_ptr<int64_t>();
+  const int64_t *sb = src_blocks.data_ptr<int64_t>(), *db = dst_blocks.data_ptr<int64_t>();
+  const int64_t tail_len = old_len - new_len;
+  std::vector<int64_t> moves[5];  // src_blk, src_off, dst_blk, dst_off, head
+  for (auto& v : moves) v.reserve(b * h * std::min(tail_len, new_len));
+  at::Tensor now = at::empty_like(keep);
+  int64_t* np = now.data_ptr<int64_t>();
+  std::vector<uint8_t> kept(old_len);
+  std::vector<int64_t> tail(tail_len);  // tail[j - new_len]: where the token at slot j goes
+  for (int64_t r = 0; r < b * h; ++r) {
+    const int64_t* k = kp + r * new_len;
+    std::fill(kept.begin(), kept.end(), 0);
+    for (int64_t i = 0; i < new_len; ++i) {
+      TORCH_CHECK(k[i] >= 0 && k[i] < old_len && !kept[k[i]], "keep row ", r,
+                  ": indices must be distinct and in [0, old_len), got ", k[i]);
+      kept[k[i]] = 1;
+    }
+    const int64_t* src = sb + (r / h) * n_src;
+    const int64_t* dst = db + (r / h) * n_dst;
+    int64_t hole = 0;
+    for (int64_t j = new_len; j < old_len; ++j) {
+      if (!kept[j]) continue;
+      while (kept[hole]) ++hole;  // a hole below new_len exists for every mover
+      tail[j - new_len] = hole;
+      moves[0].push_back(src[j / bs]);
+      moves[1].push_back(j % bs);
+      moves[2].push_back(dst[hole / bs]);
+      moves[3].push_back(hole % bs);
+      moves[4].push_back(r % h);
+      ++hole;
+    }
+    int64_t* out = np + r * new_len;
+    for (int64_t i = 0; i < new_len; ++i) out[i] = k[i] < new_len ? k[i] : tail[k[i] - new_len];
+  }
+  std::vector<at::Tensor> result;
+  for (auto& v : moves) {
+    at::Tensor t = at::empty({static_cast<int64_t>(v.size())}, keep.options());
+    std::copy(v.begin(), v.end(), t.data_ptr<int64_t>());
+    result.push_back(t);
+  }
+  result.push_back(now);
+  return result;
 }
 
 }  // namespace token_moves

@@ -171,7 +171,7 @@ class WorkerEviction:
                   "compaction_seconds": self.compaction_seconds}
         if self.offload is not None:  # offload: what the host tier took (none before it exists)
             values["host_entries_offloaded"] = self.host.stats.entries_offloaded if self.host else 0
-        self._snapshot.write(values)
+        self._snapshot.write_soon(values)
 
     def _private_of(self, req_id: str, layer: str, st: LayerStack) -> torch.Tensor | None:
         return self.private.of(req_id, layer, st.layout.num_kv_heads, st.scores.device)

@@ -66,17 +66,19 @@ def fill_holes(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
     dev = key_cache.device
     src_blocks, dst_blocks = src_blocks.to(dev), dst_blocks.to(dev)
     keep = keep.to(dev)
-    row, src, dst = hole_moves(keep.reshape(b * h, new_len), old_len)
-    r_b, r_h = row // h, row % h
-    src_blk, src_off = src_blocks[r_b, src // bs], src % bs
-    dst_blk, dst_off = dst_blocks[r_b, dst // bs], dst % bs
-    copied = (dst_blocks != src_blocks[:, : dst_blocks.shape[1]]).nonzero(as_tuple=True)
     mover = cpu_token_mover(layout, key_cache)
+    if mover is not None:  # the plan and the moves, in C++ (vllm_kvevict/cpu_kernel)
+        *moves, now = mover.plan_hole_moves(keep.contiguous(), old_len, src_blocks.contiguous(),
+                                            dst_blocks.contiguous(), bs)
+    else:
+        moves, now = _plan_torch(keep, old_len, src_blocks, dst_blocks, bs)
+    copied = (dst_blocks != src_blocks[:, : dst_blocks.shape[1]]).nonzero(as_tuple=True)
     if copied[0].numel():
         # Private copies first (fresh blocks, no token's source), then their holes.
         copy_blocks(key_cache, value_cache, scores, src_blocks[copied], dst_blocks[copied], bs,
                     mover)
-    if mover is not None:  # one pass over the moves, in C++ (vllm_kvevict/cpu_kernel)
+    src_blk, src_off, dst_blk, dst_off, r_h = moves
+    if mover is not None:  # one pass over the moves
         mover.move_tokens(key_cache, value_cache, *layout.element_offsets(key_cache, value_cache),
                           src_blk, src_off, dst_blk, dst_off, r_h, scores)
     else:
@@ -84,16 +86,29 @@ def fill_holes(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
         layout.write_tokens(key_cache, value_cache, dst_blk, dst_off, *moved, heads=r_h)
         if scores is not None:
             scores[r_h, dst_blk * bs + dst_off] = scores[r_h, src_blk * bs + src_off]
+    return now
+
+
+def _plan_torch(keep: torch.Tensor, old_len: int, src_blocks: torch.Tensor,
+                dst_blocks: torch.Tensor, bs: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`fill_holes`' plan in torch (the compiled kernel's `plan_hole_moves`
+    does the same in one pass): the moves (src_blk, src_off, dst_blk, dst_off,
+    head), each (M,) int64, and (B, H, new_len) the slot each kept token holds
+    afterwards."""
+    b, h, new_len = keep.shape
+    row, src, dst = hole_moves(keep.reshape(b * h, new_len), old_len)
+    r_b, r_h = row // h, row % h
+    moves = [src_blocks[r_b, src // bs], src % bs, dst_blocks[r_b, dst // bs], dst % bs, r_h]
     # Where each kept token is now: its own slot, unless it lay past new_len and
     # moved into a hole. Only the movers' entries are looked up (in a map over
     # the tail only): a lookup over every kept token took half of this call.
-    tail = torch.zeros(b * h, max(1, old_len - new_len), dtype=torch.int64, device=dev)
+    tail = torch.zeros(b * h, max(1, old_len - new_len), dtype=torch.int64, device=keep.device)
     tail[row, src - new_len] = dst
     keep = keep.reshape(b * h, new_len)
     at_r, at_i = (keep >= new_len).nonzero(as_tuple=True)
     now = keep.clone()
     now[at_r, at_i] = tail[at_r, keep[at_r, at_i] - new_len]
-    return now.view(b, h, new_len)
+    return moves, now.view(b, h, new_len)
 
 
 def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, scores: torch.Tensor | None,

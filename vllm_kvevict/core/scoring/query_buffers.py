@@ -108,8 +108,7 @@ class QueryBuffers:
         cols = self.cols
         if placement.copier is not None and bufs[0].device.type == "cpu":
             # One memcpy per query row (vllm_kvevict/cpu_kernel/token_moves.h).
-            placement.copier.copy_rows([b.view(b.shape[0] * cols, -1) for b in bufs],
-                                       placement.cells, [src.flatten(1) for _, src in items])
+            placement.copier.copy_rows(bufs, placement.cells, [src for _, src in items])
             return
         for buf, (_, src) in zip(bufs, items):  # index_copy_ on the flat (row, column) axis
             buf.view(-1, *buf.shape[2:]).index_copy_(0, placement.cells.to(buf.device), src)
