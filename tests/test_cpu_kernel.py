@@ -31,7 +31,12 @@ NB = 40
 
 
 def _layout(kind, dtype, bs, d, h):
-    """A KVLayout with `kind`'s tiling, its map written out from the tiles."""
+    """A KVLayout with `kind`'s tiling, its map written out from the tiles;
+    "scrambled": a random permutation of each block's elements, which no
+    tiling fits (the kernel's element-by-element copies)."""
+    if kind == "scrambled":
+        m = torch.randperm(h * bs * d, generator=torch.Generator().manual_seed(0)).view(h, bs, d)
+        return KVLayout(kind, dtype, bs, d, h, m, m, None, None)
     tiles = TILES[kind](bs, d)
     t0, d0, base, st1, st0, sd1, sd0 = tiles
     t, e = torch.arange(bs).view(1, bs, 1), torch.arange(d).view(1, 1, d)
@@ -234,7 +239,7 @@ def _token_cache(kind, dtype, seed):
     return mod, _layout(kind, dtype, bs, d, h), kv, gen
 
 
-@pytest.mark.parametrize("kind", ["amx", "vec", "odd"])
+@pytest.mark.parametrize("kind", ["amx", "vec", "odd", "scrambled"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("copy_on_write", [False, True])
 def test_compiled_token_moves_equal_the_torch_path(kind, dtype, copy_on_write, monkeypatch):
@@ -270,7 +275,7 @@ def test_compiled_token_moves_equal_the_torch_path(kind, dtype, copy_on_write, m
     assert torch.equal(s1, s2) and torch.equal(a1, a2)
 
 
-@pytest.mark.parametrize("kind", ["amx", "vec", "odd"])
+@pytest.mark.parametrize("kind", ["amx", "vec", "odd", "scrambled"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("reordered", [False, True])
 def test_compiled_token_reads_equal_the_torch_gather(kind, dtype, reordered):

@@ -23,14 +23,70 @@ struct Move {
   int64_t n;
 };
 
+// A layout's element map split as off[h][t][e] = base[h * BS + t] + pat[e]
+// (every layout vLLM writes: vec K strided by BS, vec V contiguous, amx K in
+// VNNI pairs, amx V strided by 2), with `run` the length of the contiguous
+// runs in pat (D: one memcpy per token; 2: bf16 pairs copied as 32 bits).
+// Reading a token's D offsets from the (H, BS, D) int64 table cost more than
+// the token's bytes; through this map a copy reads D offsets that stay in
+// cache. A map that does not split so goes element by element (`separable`
+// false).
+struct TokenMap {
+  bool separable = false;
+  int64_t run = 1;
+  std::vector<int64_t> base, pat;
+};
+
+TokenMap token_map(const at::Tensor& offsets) {
+  const int64_t hb = offsets.size(0) * offsets.size(1), d = offsets.size(2);
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TokenMap m;
+  if (hb == 0 || d == 0) return m;
+  m.pat.resize(d);
+  m.base.resize(hb);
+  for (int64_t e = 0; e < d; ++e) m.pat[e] = off[e] - off[0];
+  for (int64_t i = 0; i < hb; ++i) {
+    m.base[i] = off[i * d];
+    for (int64_t e = 0; e < d; ++e)
+      if (off[i * d + e] - m.base[i] != m.pat[e]) return m;  // not separable
+  }
+  m.separable = true;
+  for (int64_t r : {d, int64_t(2)}) {
+    if (d % r) continue;
+    bool runs = true;
+    for (int64_t e = 0; e < d && runs; ++e) runs = m.pat[e] == m.pat[e - e % r] + e % r;
+    if (runs) { m.run = r; break; }
+  }
+  return m;
+}
+
+// dst[pat[e]] = src[pat[e]] for one token (pat: the map's D offsets).
+template <typename T>
+inline void copy_token(T* dst, const T* src, const TokenMap& m, int64_t d) {
+  const int64_t* pat = m.pat.data();
+  if (m.run == d) {
+    std::memcpy(dst, src, d * sizeof(T));
+  } else if (m.run == 2 && sizeof(T) == 2) {
+    for (int64_t e = 0; e < d; e += 2) std::memcpy(dst + pat[e], src + pat[e], 4);
+  } else {
+    for (int64_t e = 0; e < d; ++e) dst[pat[e]] = src[pat[e]];
+  }
+}
+
 template <typename T>
 void copy_tokens(const at::Tensor& cache, const at::Tensor& offsets, const Move& m) {
   T* base = reinterpret_cast<T*>(cache.data_ptr());
   const int64_t s0 = cache.stride(0), bs = cache.size(2), d = cache.size(3);
   const int64_t* off = offsets.data_ptr<int64_t>();
+  const TokenMap map = token_map(offsets);
   for (int64_t i = 0; i < m.n; ++i) {
     const T* src = base + m.src_blk[i] * s0;
     T* dst = base + m.dst_blk[i] * s0;
+    if (map.separable) {
+      copy_token(dst + map.base[m.head[i] * bs + m.dst_off[i]],
+                 src + map.base[m.head[i] * bs + m.src_off[i]], map, d);
+      continue;
+    }
     const int64_t* so = off + (m.head[i] * bs + m.src_off[i]) * d;
     const int64_t* dof = off + (m.head[i] * bs + m.dst_off[i]) * d;
     for (int64_t e = 0; e < d; ++e) dst[dof[e]] = src[so[e]];
@@ -106,15 +162,29 @@ void move_tokens(at::Tensor key_cache, at::Tensor value_cache, const at::Tensor&
 // the tokens through the layout's element offsets; torch needed three (whole
 // blocks, unpacking the tiles, then the age order).
 template <typename T>
-void read_tokens_as(const at::Tensor& cache, const int64_t* off, const int64_t* slot, T* out,
+void read_tokens_as(const at::Tensor& cache, const at::Tensor& offsets, const int64_t* slot, T* out,
                     int64_t rows, int64_t heads, int64_t n) {
   const T* base = reinterpret_cast<const T*>(cache.data_ptr());
   const int64_t s0 = cache.stride(0), bs = cache.size(2), d = cache.size(3);
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const TokenMap map = token_map(offsets);
+  const int64_t* pat = map.pat.data();
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t i = 0; i < n; ++i, out += d) {
         const int64_t s = *slot++;
         const T* src = base + (s / bs) * s0;
+        if (map.separable) {
+          src += map.base[h * bs + s % bs];
+          if (map.run == d) {
+            std::memcpy(out, src, d * sizeof(T));
+          } else if (map.run == 2 && sizeof(T) == 2) {
+            for (int64_t e = 0; e < d; e += 2) std::memcpy(out + e, src + pat[e], 4);
+          } else {
+            for (int64_t e = 0; e < d; ++e) out[e] = src[pat[e]];
+          }
+          continue;
+        }
         const int64_t* o = off + (h * bs + s % bs) * d;
         for (int64_t e = 0; e < d; ++e) out[e] = src[o[e]];
       }
@@ -130,11 +200,10 @@ at::Tensor read_tokens(const at::Tensor& cache, const at::Tensor& offsets, const
   for (int64_t i = 0; i < slots.numel(); ++i)
     TORCH_CHECK(s[i] >= 0 && s[i] < nb * bs, "slot ", s[i], " outside the cache");
   at::Tensor out = at::empty({slots.size(0), h, slots.size(2), d}, cache.options());
-  const int64_t* off = offsets.data_ptr<int64_t>();
   switch (cache.element_size()) {
-    case 2: read_tokens_as<uint16_t>(cache, off, s, reinterpret_cast<uint16_t*>(out.data_ptr()),
+    case 2: read_tokens_as<uint16_t>(cache, offsets, s, reinterpret_cast<uint16_t*>(out.data_ptr()),
                                      slots.size(0), h, slots.size(2)); break;
-    case 4: read_tokens_as<uint32_t>(cache, off, s, reinterpret_cast<uint32_t*>(out.data_ptr()),
+    case 4: read_tokens_as<uint32_t>(cache, offsets, s, reinterpret_cast<uint32_t*>(out.data_ptr()),
                                      slots.size(0), h, slots.size(2)); break;
     default: TORCH_CHECK(false, "cache element size ", cache.element_size(), ": expected 2 or 4");
   }
