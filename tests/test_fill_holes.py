@@ -15,7 +15,7 @@ import torch
 from conftest import needs_stock_writer
 
 from vllm_kvevict import cpu_kernel
-from vllm_kvevict.core.eviction.compaction import _plan_torch, fill_holes, hole_moves
+from vllm_kvevict.core.eviction.compaction import plan_hole_moves_torch, fill_holes, hole_moves
 from vllm_kvevict.core.layouts.cpu_layout import split_kv_cache
 from vllm_kvevict.core.layouts.nhd_layout import NHDLayout
 from vllm_kvevict.integration.cpu_backend import discover_layout
@@ -51,7 +51,7 @@ def test_compiled_plan_is_the_torch_plan(b, h, old_len, new_len, bs):
     dst = src[:, : -(-new_len // bs)].clone()
     dst[0, 0] = b * n_src + 7  # a private copy of a shared block
     *moves, now = mod.plan_hole_moves(keep, old_len, src, dst, bs)
-    want_moves, want_now = _plan_torch(keep, old_len, src, dst, bs)
+    want_moves, want_now = plan_hole_moves_torch(keep, old_len, src, dst, bs)
     assert len(moves) == len(want_moves) == 5
     for got, want in zip(moves, want_moves):
         assert torch.equal(got, want)

@@ -312,7 +312,9 @@ TABLE: tuple[Flag, ...] = (
               "host pool and fetched back when a decode query is predicted to need it)."),
     Flag("kv_budget", "eviction", 1024, parse_number, request=True,
          help="Resident KV tokens per request: a token count (`256`) or a fraction of the "
-              "request's length (`0.2`); never below one KV block."),
+              "request's length (`0.2`); never below one KV block. A request is compacted "
+              "back to it once it has grown a KV block past it, so it holds up to one block "
+              "more (size the pool for budget + block size)."),
     Flag("kv_recent", "eviction", None, _optional_number, request=True,
          shown="half the budget; for `snapkv` and `andpro`, the observation window",
          help="Recent window inside the budget (H2O's recent ratio), in the budget's unit."),

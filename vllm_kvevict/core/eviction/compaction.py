@@ -71,7 +71,7 @@ def fill_holes(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
         *moves, now = mover.plan_hole_moves(keep.contiguous(), old_len, src_blocks.contiguous(),
                                             dst_blocks.contiguous(), bs)
     else:
-        moves, now = _plan_torch(keep, old_len, src_blocks, dst_blocks, bs)
+        moves, now = plan_hole_moves_torch(keep, old_len, src_blocks, dst_blocks, bs)
     copied = (dst_blocks != src_blocks[:, : dst_blocks.shape[1]]).nonzero(as_tuple=True)
     if copied[0].numel():
         # Private copies first (fresh blocks, no token's source), then their holes.
@@ -89,7 +89,7 @@ def fill_holes(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
     return now
 
 
-def _plan_torch(keep: torch.Tensor, old_len: int, src_blocks: torch.Tensor,
+def plan_hole_moves_torch(keep: torch.Tensor, old_len: int, src_blocks: torch.Tensor,
                 dst_blocks: torch.Tensor, bs: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """`fill_holes`' plan in torch (the compiled kernel's `plan_hole_moves`
     does the same in one pass): the moves (src_blk, src_off, dst_blk, dst_off,
