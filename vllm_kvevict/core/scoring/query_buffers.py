@@ -105,9 +105,9 @@ class QueryBuffers:
         bufs = [self._buffer(layer, src, rows) for layer, src in items]
         if not placement.tokens.numel():
             return
-        cols = self.cols
         if placement.copier is not None and bufs[0].device.type == "cpu":
-            # One memcpy per query row (vllm_kvevict/cpu_kernel/token_moves.h).
+            # One memcpy per query row into cell row * cols + col of the
+            # contiguous buffer (vllm_kvevict/cpu_kernel/token_moves.h).
             placement.copier.copy_rows(bufs, placement.cells, [src for _, src in items])
             return
         for buf, (_, src) in zip(bufs, items):  # index_copy_ on the flat (row, column) axis
