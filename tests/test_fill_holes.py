@@ -15,7 +15,7 @@ import torch
 from conftest import needs_stock_writer
 
 from vllm_kvevict import cpu_kernel
-from vllm_kvevict.core.eviction.compaction import plan_hole_moves_torch, fill_holes, hole_moves
+from vllm_kvevict.core.eviction.compaction import fill_holes, hole_moves, plan_hole_moves_torch
 from vllm_kvevict.core.layouts.cpu_layout import split_kv_cache
 from vllm_kvevict.core.layouts.nhd_layout import NHDLayout
 from vllm_kvevict.integration.cpu_backend import discover_layout

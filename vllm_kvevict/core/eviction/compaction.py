@@ -67,30 +67,28 @@ def fill_holes(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
     src_blocks, dst_blocks = src_blocks.to(dev), dst_blocks.to(dev)
     keep = keep.to(dev)
     mover = cpu_token_mover(layout, key_cache)
-    if mover is not None:  # the plan and the moves, in C++ (vllm_kvevict/cpu_kernel)
-        *moves, now = mover.plan_hole_moves(keep.contiguous(), old_len, src_blocks.contiguous(),
-                                            dst_blocks.contiguous(), bs)
-    else:
-        moves, now = plan_hole_moves_torch(keep, old_len, src_blocks, dst_blocks, bs)
     copied = (dst_blocks != src_blocks[:, : dst_blocks.shape[1]]).nonzero(as_tuple=True)
     if copied[0].numel():
         # Private copies first (fresh blocks, no token's source), then their holes.
         copy_blocks(key_cache, value_cache, scores, src_blocks[copied], dst_blocks[copied], bs,
                     mover)
-    src_blk, src_off, dst_blk, dst_off, r_h = moves
-    if mover is not None:  # one pass over the moves
+    if mover is not None:  # the plan and one pass over the moves, in C++ (vllm_kvevict/cpu_kernel)
+        *moves, now = mover.plan_hole_moves(keep.contiguous(), old_len, src_blocks.contiguous(),
+                                            dst_blocks.contiguous(), bs)
         mover.move_tokens(key_cache, value_cache, *layout.element_offsets(key_cache, value_cache),
-                          src_blk, src_off, dst_blk, dst_off, r_h, scores)
-    else:
-        moved = layout.read_tokens(key_cache, value_cache, src_blk, src_off, heads=r_h)
-        layout.write_tokens(key_cache, value_cache, dst_blk, dst_off, *moved, heads=r_h)
-        if scores is not None:
-            scores[r_h, dst_blk * bs + dst_off] = scores[r_h, src_blk * bs + src_off]
+                          *moves, scores)
+        return now
+    (src_blk, src_off, dst_blk, dst_off, r_h), now = plan_hole_moves_torch(
+        keep, old_len, src_blocks, dst_blocks, bs)
+    moved = layout.read_tokens(key_cache, value_cache, src_blk, src_off, heads=r_h)
+    layout.write_tokens(key_cache, value_cache, dst_blk, dst_off, *moved, heads=r_h)
+    if scores is not None:
+        scores[r_h, dst_blk * bs + dst_off] = scores[r_h, src_blk * bs + src_off]
     return now
 
 
 def plan_hole_moves_torch(keep: torch.Tensor, old_len: int, src_blocks: torch.Tensor,
-                dst_blocks: torch.Tensor, bs: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+                          dst_blocks: torch.Tensor, bs: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """`fill_holes`' plan in torch (the compiled kernel's `plan_hole_moves`
     does the same in one pass): the moves (src_blk, src_off, dst_blk, dst_off,
     head), each (M,) int64, and (B, H, new_len) the slot each kept token holds
