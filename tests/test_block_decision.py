@@ -15,7 +15,8 @@ from vllm_kvevict.core.eviction.blocks import (
     module_pin_blocks, plan_blocks, room_for_next_chunk, trim_hit)
 
 BS = 16
-CFG = EvictionConfig.from_dict({"kv_eviction": "streaming", "kv_budget": 4 * BS})
+# A 5-block cap: a compaction keeps 4 blocks (planner.compaction_room).
+CFG = EvictionConfig.from_dict({"kv_eviction": "streaming", "kv_budget": 5 * BS})
 
 
 class FakePool:
@@ -74,7 +75,7 @@ def request(pool, n_blocks):
 # --- nothing to do -----------------------------------------------------------------
 
 @pytest.mark.parametrize("state", [
-    RequestState(num_blocks=5, logical=4 * BS + BS - 1, evicted=0),  # below budget + block
+    RequestState(num_blocks=5, logical=5 * BS - 1, evicted=0),  # below the budget
     RequestState(num_blocks=0, logical=0, evicted=0),  # no blocks yet
     RequestState(num_blocks=7, logical=7 * BS, evicted=0, finishing=True),  # vLLM finishing it
     RequestState(num_blocks=7, logical=7 * BS, evicted=0, has_plan=True),  # one plan a step
@@ -278,11 +279,11 @@ def test_prefill_compacts_between_chunks_only_when_the_pool_is_short():
     assert compaction_point(CFG, state, PoolView(13, 0, None), BS) == 4 * BS
     assert compaction_point(CFG, state, PoolView(14, 0, None), BS) is None
     # past --kv-prefill-cap: compacted between chunks whatever the room
-    capped = EvictionConfig.from_dict({"kv_eviction": "streaming", "kv_budget": 4 * BS,
+    capped = EvictionConfig.from_dict({"kv_eviction": "streaming", "kv_budget": 5 * BS,
                                        "kv_prefill_cap": 5 * BS})
     assert compaction_point(capped, state, PoolView(100), BS) == 4 * BS
     # a prompt under the budget is never compacted between chunks
-    small = RequestState(num_blocks=4, logical=4 * BS, evicted=0, num_prompt_tokens=20 * BS)
+    small = RequestState(num_blocks=5, logical=5 * BS, evicted=0, num_prompt_tokens=20 * BS)
     assert compaction_point(CFG, small, short, BS) is None
 
 

@@ -66,10 +66,11 @@ def test_scoring_every_step_without_eviction_is_token_identical_to_stock(
         engines, model_path, policy, monkeypatch):
     """The test above proves the write and attention path only: its requests can
     never exceed the budget, so the planner marks them unscored. Here each
-    request's budget is 16 tokens under its final length: it may compact, so
+    request's budget is one token under its final length: it may compact, so
     every step is scored (h2o: each query's attention, through the compiled CPU
-    kernel where it is built; snapkv/andpro: the query window records), yet it
-    never reaches the compaction threshold (budget + one block). Nothing is
+    kernel where it is built; snapkv/andpro: the query window records), yet no
+    token it writes reaches the budget (its last sampled token is never
+    written), so no compaction fires (at physical >= budget). Nothing is
     evicted, and the tokens must equal stock vLLM's. Decode steps take the
     log-only path where the compiled copier stores queries (every layer hands
     its queries over by reference: QueryBuffers.hold_ref). streaming has no
@@ -102,7 +103,7 @@ def test_scoring_every_step_without_eviction_is_token_identical_to_stock(
             lc.scores.zero_()
     tok = llm.get_tokenizer()
     params = [SamplingParams(temperature=0, max_tokens=STOCK_TOKENS, ignore_eos=True, extra_args={
-        "kv_budget": len(tok(p)["input_ids"]) + STOCK_TOKENS - 16}) for p in PROMPTS]
+        "kv_budget": len(tok(p)["input_ids"]) + STOCK_TOKENS - 1}) for p in PROMPTS]
     probe = attach(llm)
     before = totals(probe)
     ours = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
@@ -150,7 +151,8 @@ def _pool_is_whole(probe):
 
 def test_decode_blocks_stay_bounded_and_return_to_pool(h2o_engine):
     """Long generations at budget 64 (block 32): each request holds at most
-    ceil((64+32)/32)+1 blocks according to vLLM's req_to_blocks, blocks really
+    ceil(64/32) = 2 blocks (the budget is a cap) according to vLLM's
+    req_to_blocks, blocks really
     go back to the BlockPool, and the pool is whole once the engine is idle."""
     llm, probe = h2o_engine
     evicted0, _ = totals(probe)
@@ -174,14 +176,14 @@ def _fallbacks(probe) -> int:
 def test_chunked_prefill_of_a_prompt_longer_than_the_budget(h2o_engine):
     """With --kv-prefill-cap 0 (here per request), a 1,500-token prompt prefilled
     in 256-token chunks is compacted between chunks and never holds more than
-    budget + one chunk (+ the partial block); each such compaction is counted."""
+    budget + one chunk; each such compaction is counted."""
     llm, probe = h2o_engine
     before = _fallbacks(probe)
     params = greedy(20, 64)
     params.extra_args["kv_prefill_cap"] = 0
     out = llm.generate([{"prompt_token_ids": _long_prompt(llm)}], params, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 20
-    assert probe.max_blocks_per_request <= -(-(64 + 256) // 32) + 1
+    assert probe.max_blocks_per_request <= -(-(64 + 256) // 32)
     assert _fallbacks(probe) - before == 1500 // 256  # before chunks 2..6
     assert _pool_is_whole(probe)
 
@@ -190,7 +192,8 @@ def test_prompt_is_compacted_once_after_its_last_chunk(h2o_engine):
     """Issue 18, the default: with room in the pool, the same prompt stays whole
     through its 6 chunks (so H2O scores it with every prompt query, the end of
     the prompt included) and is compacted once, at its first decode step, from
-    1,500 tokens straight to the budget; decode then compacts once per block."""
+    1,500 tokens straight to a block below the budget (64, a cap); decode then
+    compacts once per block, each time the budget is reached."""
     from vllm_kvevict.integration.worker import WorkerEviction
 
     llm, probe = h2o_engine
@@ -207,8 +210,9 @@ def test_prompt_is_compacted_once_after_its_last_chunk(h2o_engine):
                            use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 40
     first = plans[0]
-    assert (first.logical_len, first.old_len, first.new_len) == (1500, 1500, 64), first
-    assert all(p.logical_len > 1500 and p.old_len == 64 + 32 for p in plans[1:]), plans
+    assert (first.logical_len, first.old_len, first.new_len) == (1500, 1500, 32), first
+    assert all(p.logical_len > 1500 and (p.old_len, p.new_len) == (64, 32)
+               for p in plans[1:]), plans
     assert probe.max_blocks_per_request >= -(-1500 // 32)  # it really held the prompt
     assert _fallbacks(probe) == before
     assert _pool_is_whole(probe)
@@ -325,7 +329,7 @@ def test_window_policies_bound_blocks_and_free_everything(engines, policy):
     llm.generate(["Hi"], greedy(4), use_tqdm=False)
     windowless, ring = state.num_windowless - windowless0, dict(state.query_window.row_of)
     assert all(len(o.outputs[0].token_ids) == 200 for o in outs)
-    assert probe.max_blocks_per_request <= max_blocks_per_request(96 + 256 - 32, 32)
+    assert probe.max_blocks_per_request <= -(-(96 + 256) // 32)  # budget + one chunk
     assert evicted >= 3 * (900 - 96 - 32) and compactions >= 3 * 8
     assert windowless == 0 and not ring
     assert _pool_is_whole(probe)
@@ -380,8 +384,8 @@ def test_streaming_keeps_exactly_sinks_and_recent_and_prefix_caching_is_safe(eng
 
 
 def test_preemption_under_eviction_gives_every_block_back(fresh_engines, model_path):
-    """A pool of 12 blocks for 6 requests that each need up to 4 under H2O
-    (budget 64): vLLM preempts and later re-prefills some of them. Every request
+    """A pool of 12 blocks for 6 requests that each need up to 3 under H2O
+    (budget 96, a cap): vLLM preempts and later re-prefills some of them. Every request
     still finishes at full length, the per-request bound holds, queries logged
     for a preempted request are dropped with its blocks, and the pool is whole."""
     from vllm_kvevict.probe import attach
@@ -390,7 +394,7 @@ def test_preemption_under_eviction_gives_every_block_back(fresh_engines, model_p
     token_bytes = 30 * 3 * 64 * 2 * (4 if DTYPE == "float32" else 2)  # SmolLM2: K+V, 30 layers
     llm = make_llm(model_path, max_num_batched_tokens=128, enable_prefix_caching=False,
                    kv_cache_memory_bytes=12 * 32 * token_bytes,  # 12 blocks
-                   additional_config={"kv_eviction": "h2o", "kv_budget": 64})
+                   additional_config={"kv_eviction": "h2o", "kv_budget": 96})
     probe = attach(llm)
     assert probe.block_pool.num_gpu_blocks - 1 <= 12
     prompts = (PROMPTS + PROMPTS)[:6]
@@ -416,6 +420,6 @@ def test_preemption_under_eviction_gives_every_block_back(fresh_engines, model_p
     assert fallbacks > 0 and probe.preemptions == preempted
     assert all(len(o.outputs[0].token_ids) == 200 for o in outs)
     assert probe.preemptions > 0, "the pool should force preemptions"
-    bound = max(max_blocks_per_request(64, 32), -(-(64 + 128) // 32) + 1)  # decode / prefill
+    bound = max(max_blocks_per_request(96, 32), -(-(96 + 128) // 32))  # decode / prefill
     assert peak <= bound
     assert not leftover, "finished requests left queries in the log"

@@ -18,8 +18,9 @@ H2O's Algorithm 1 (Zhang et al. 2023, arXiv:2306.14048):
 What the reference shares with the plugin is only the *schedule* (when and to
 what size to evict), which is vLLM's block bookkeeping rather than H2O itself:
 before feeding the token at logical position L with P tokens resident, evict
-down to budget if P > budget (before a prompt chunk) or P >= budget + block_size
-(before a decode step); see vllm_kvevict/core/eviction/planner.py. Scores are frozen during
+down to budget - block_size if P > budget (before a prompt chunk) or P >= budget
+(before a decode step): the budget is a cap, and a compaction leaves one block
+free; see vllm_kvevict/core/eviction/planner.py. Scores are frozen during
 one eviction batch (the plugin evicts a block's worth of tokens at once). RoPE
 positions stay logical.
 
@@ -136,7 +137,8 @@ def h2o_generate(model, prompt: list[int], max_tokens: int, budget: int, recent:
 
     The plugin's schedule (planner.py), checked before feeding position L with
     P tokens resident: between prompt chunks evict when P > budget, in decode
-    when P >= budget + block_size; both evict down to `budget`.
+    when P >= budget; both evict down to `budget - block_size` (budget >= two
+    blocks here), `recent` of them the newest.
 
     on_evict(L, kept, scores) -> kept, if given, sees each eviction and may
     overrule it (the test adopts the engine's choice between tied scores, so
@@ -145,12 +147,13 @@ def h2o_generate(model, prompt: list[int], max_tokens: int, budget: int, recent:
     first `cached` prompt tokens come from the prefix cache: their KV is there,
     but their queries are not run again, so they add nothing to any score.
     """
+    assert budget >= 2 * block_size, "the schedule below assumes a whole block of room"
     ref = make_ref(model, len(prompt) + max_tokens)
     evictions = []
 
     def maybe_evict(L: int, limit: int) -> None:
         if int(ref.resident[0, 0].sum()) > limit:
-            ref.evict(budget, recent)
+            ref.evict(budget - block_size, recent)
             scores = ref.score.clone()  # what the eviction ranked by (evict leaves it)
             kept = ref.kept()
             if on_evict is not None:
@@ -169,7 +172,7 @@ def h2o_generate(model, prompt: list[int], max_tokens: int, budget: int, recent:
         logits = ref.forward(ids, torch.arange(c0, c0 + len(ids)))
     out = [int(logits.argmax())]
     for L in range(len(prompt), len(prompt) + max_tokens - 1):
-        maybe_evict(L, budget + block_size - 1)
+        maybe_evict(L, budget - 1)
         out.append(int(ref.forward([out[-1]], torch.tensor([L])).argmax()))
     return out, evictions
 
@@ -359,7 +362,7 @@ def test_h2o_matches_dense_reference(llm, hf, prompts, idx, prefill):
     got_tokens, snaps, cached = _vllm_generate(llm, prompt, MAX_TOKENS, extra,
                                                salt=f"h2o-{idx}-{prefill}")
     assert cached == 0
-    assert all(p.new_len == BUDGET for p, _ in snaps)
+    assert all(p.new_len == BUDGET - BLOCK for p, _ in snaps)
 
     check = KeptSetChecker(snaps, RECENT)
     ref_tokens, evictions = h2o_generate(model, prompt, MAX_TOKENS, BUDGET, RECENT, BLOCK,

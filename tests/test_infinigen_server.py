@@ -33,11 +33,11 @@ def test_infinigen_server_evicts_to_the_host_and_frees_every_block(server, model
     m = server.wait_idle()
     info = [k for k in m if k.startswith("vllm_kvevict_info{")]
     assert len(info) == 1 and 'policy="infinigen"' in info[0]
-    # prompt + 300 tokens seen (the last one never written), at most
-    # budget + block - 1 = 95 left resident
+    # prompt + 300 tokens seen (the last one never written), at most the
+    # budget (64) left resident
     seen = r.json()["usage"]["prompt_tokens"] + 299
     evicted = server.metric("vllm_kvevict_tokens_evicted_total") - before
-    assert evicted >= seen - 95
+    assert evicted >= seen - 64
     host = server.metric("vllm_kvevict_host_entries_offloaded_total") - host0
     assert host == evicted * per_token, (host, evicted, per_token)
     assert sum(v for k, v in m.items() if k.startswith("vllm:kv_cache_usage_perc")) == 0

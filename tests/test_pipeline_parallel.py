@@ -6,8 +6,8 @@ lengths are the same for every stage by construction, and H2O's scores stay
 per layer, on the stage that holds the layer. The engines are the plugin
 process of tests/tp_runs.py (shared with test_tensor_parallel.py and
 test_ray.py; float32, for the reason test_tensor_parallel.py gives): H2O at PP 1,
-at PP 2 over `mp` (two passes: per-request budget 32, and SCORED, scored but
-never compacted) and at PP 2 over Ray (a 32-token server). The engine core is
+at PP 2 over `mp` (two passes: per-request budget 64, and SCORED, scored but
+never compacted) and at PP 2 over Ray (a 64-token server). The engine core is
 in-process there, so vLLM's scheduler-side BlockPool (one for every stage: a
 block id names the same block in each stage's layers) is read each step.
 
@@ -71,7 +71,7 @@ def test_pp2_evicts_as_pp1_does(runs, name):
     tokens; blocks go back to vLLM's BlockPool (the most one request held is the
     budget's bound, and the pool is whole at the end)."""
     pp1, pp2 = runs["pp1"], runs[name]
-    assert pp1["compactions"] >= 2 * len(PROMPTS)  # 109-128 tokens at budget 32
+    assert pp1["compactions"] >= 2 * len(PROMPTS)  # 109-128 tokens at budget 64
     assert (pp2["compactions"], pp2["evicted"]) == (pp1["compactions"], pp1["evicted"])
     assert pp2["max_blocks"] <= max_blocks_per_request(BUDGET, BLOCK)
     assert pp2["pool_whole"]
@@ -115,7 +115,7 @@ def test_pp2_scoring_without_eviction_gives_stock_tokens(runs):
     assert not any(k["history"] for k in stages.values())
     assert scored["pool_whole"]
     assert scored["ids"] == stock["tp1"]["ids"]
-    assert runs["pp2"]["ids"] != stock["tp1"]["ids"]  # budget 32 really changes them
+    assert runs["pp2"]["ids"] != stock["tp1"]["ids"]  # budget 64 really changes them
 
 
 @pytest.mark.slow

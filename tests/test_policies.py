@@ -47,24 +47,47 @@ def test_streaming_keeps_exactly_sinks_and_recent():
 
 
 def test_planner_decode_and_chunk_boundaries():
-    cfg = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 64})
+    cfg = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 96})
+    # Decode: the budget is a cap. At 96 resident the next token would pass it,
+    # so the request compacts a block below it (to 64, the block 64-95 free).
     assert compaction_target(cfg, 95, 95, in_prefill=False, block_size=32) is None
     assert compaction_target(cfg, 96, 500, in_prefill=False, block_size=32) == 64
     # Prefill (issue 18): the prompt stays whole while the pool has room for
-    # its next chunk and --kv-prefill-cap allows; otherwise down to the budget.
+    # its next chunk and --kv-prefill-cap allows; otherwise a block below the budget.
     assert compaction_target(cfg, 5000, 5000, in_prefill=True, block_size=32) is None
-    assert compaction_target(cfg, 65, 65, True, 32, room=False) == 64
-    assert compaction_target(cfg, 64, 64, True, 32, room=False) is None
-    capped = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 64,
+    assert compaction_target(cfg, 97, 97, True, 32, room=False) == 64
+    assert compaction_target(cfg, 96, 96, True, 32, room=False) is None
+    capped = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 96,
                                        "kv_prefill_cap": 512})
     assert compaction_target(capped, 512, 512, True, 32) is None
     assert compaction_target(capped, 513, 513, True, 32) == 64
-    between = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 64,
+    between = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 96,
                                         "kv_prefill_cap": "0"})
-    assert compaction_target(between, 65, 65, True, 32) == 64
-    assert compaction_target(between, 64, 64, True, 32) is None
+    assert compaction_target(between, 97, 97, True, 32) == 64
+    assert compaction_target(between, 96, 96, True, 32) is None
     off = EvictionConfig.from_dict({"kv_eviction": "none"})
     assert compaction_target(off, 10_000, 10_000, False, 32) is None
+
+
+@pytest.mark.parametrize("budget,target", [
+    (32, 31),   # one block: one token of room, a compaction every step
+    (40, 32),   # under two blocks: down to one whole block
+    (64, 32), (160, 128), (161, 129),  # a block of room
+])
+def test_a_decoding_request_never_holds_more_than_its_budget(budget, target):
+    """Replays decode under the planner: the resident count after every step's
+    write stays within the budget (so within ceil(budget / 32) blocks), and
+    every compaction lands on `target`."""
+    cfg = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": budget})
+    physical, landed = budget // 2, set()
+    for logical in range(budget // 2, 4 * budget):
+        new = compaction_target(cfg, physical, logical, in_prefill=False, block_size=32)
+        if new is not None:
+            landed.add(new)
+            physical = new
+        physical += 1  # this step's token
+        assert physical <= budget, (logical, physical)
+    assert landed == {target}
 
 
 def test_never_compacts_only_when_the_whole_request_fits_a_token_budget():

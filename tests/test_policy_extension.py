@@ -110,7 +110,7 @@ def test_a_key_norm_policy_added_in_a_test_runs_in_the_engine(
     assert len(generated) == MAX_TOKENS
     compactions = recorder.compactions
     assert len(compactions) >= 2 and KeyNormPolicy.calls >= len(compactions)
-    assert evicted >= len(prompt) + MAX_TOKENS - 1 - (BUDGET + BLOCK)
+    assert evicted >= len(prompt) + MAX_TOKENS - 1 - BUDGET  # the budget is a cap
     assert freed >= (len(prompt) - BUDGET) // BLOCK
     assert probe.max_blocks_per_request <= max(max_blocks_per_request(BUDGET, BLOCK),
                                                -(-(len(prompt)) // BLOCK) + 1)

@@ -3,9 +3,9 @@
 The Ray run is the last engine of the plugin process tests/tp_runs.py shares
 with tests/test_tensor_parallel.py (a subprocess of tests/tp_generate.py): TP 2
 with `distributed_executor_backend="ray"` over a local Ray instance it starts on
-loopback (127.0.0.1 only) and shuts down after, H2O on a 32-token server; it is
+loopback (127.0.0.1 only) and shuts down after, H2O on a 64-token server; it is
 compared with that process's TP 1 H2O run (a 2048-token server whose requests
-ask for 32 tokens: the same plans, see tests/tp_runs.py, so this comparison
+ask for 64 tokens: the same plans, see tests/tp_runs.py, so this comparison
 checks that too). Every process of that subprocess is killed when it ends,
 however it ends; float32 on Qwen2.5-Coder-0.5B (2 KV heads: one per rank), for
 the reason tests/test_tensor_parallel.py gives. Checked:
@@ -27,7 +27,7 @@ from tp_runs import BUDGET, MAX_TOKENS, one_pass, plugin_runs
 def runs():
     runs = plugin_runs()
     ray = runs["h2o_ray_tp2"]
-    tp2 = one_pass(ray, None)  # the server's budget: 32
+    tp2 = one_pass(ray, None)  # the server's budget: 64
     return one_pass(runs["h2o_tp1"], BUDGET), {**tp2, "workers": ray["workers"]}
 
 

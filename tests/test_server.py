@@ -72,13 +72,13 @@ def test_eviction_metrics_on_slash_metrics(server, reference_text):
                 seen_mid_stream = (server.metric("vllm_kvevict_resident_tokens{kind=\"logical\"}"),
                                    server.metric("vllm_kvevict_resident_tokens{kind=\"physical\"}"))
     logical, physical = seen_mid_stream
-    assert logical > 250 and BUDGET <= physical <= BUDGET + 32 < logical
+    assert logical > 250 and BUDGET - 32 <= physical <= BUDGET < logical  # the budget is a cap
 
     m = wait_idle(server)
     info = [k for k in m if k.startswith("vllm_kvevict_info{")]
     assert len(info) == 1 and 'policy="h2o"' in info[0] and f'budget="{BUDGET}"' in info[0]
-    # ~408 tokens seen, at most budget + block - 1 = 95 left at the end
-    assert server.metric("vllm_kvevict_tokens_evicted_total") - before >= 408 - 95
+    # ~408 tokens seen, at most the budget (64) left at the end
+    assert server.metric("vllm_kvevict_tokens_evicted_total") - before >= 408 - BUDGET
     assert server.metric("vllm_kvevict_blocks_freed_total") > 0
     assert server.metric("vllm_kvevict_compactions_total") > 0
     assert server.metric("vllm_kvevict_compaction_seconds_total") > 0

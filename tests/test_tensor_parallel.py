@@ -22,11 +22,11 @@ What runs where (tests/tp_runs.py; every engine in a subprocess of
 tests/tp_generate.py, since VLLM_CPU_OMP_THREADS_BIND and VLLM_PLUGINS must be
 set before the process's first engine): one plugin process, shared with
 tests/test_ray.py, runs H2O at TP 1 and at TP 2 (`mp`) on a 2048-token server
-whose requests ask for a 32-token budget (`kv_budget` in SamplingParams
-.extra_args; the same plans as a 32-token server, see tests/tp_runs.py), the TP 2
+whose requests ask for a 64-token budget (`kv_budget` in SamplingParams
+.extra_args; the same plans as a 64-token server, see tests/tp_runs.py), the TP 2
 engine then generating again at the server's budget (>= length: no eviction);
 and last Ray (test_ray.py). One stock process (plugin not loaded) runs TP 1 and
-TP 2. The `slow` tier adds StreamingLLM at TP 1 and TP 2 on a 32-token server
+TP 2. The `slow` tier adds StreamingLLM at TP 1 and TP 2 on a 64-token server
 (a third process; why it repeats H2O's TP 2 path: tests/tp_runs.py). The engine core is
 in-process there, so the scheduler-side managers' counters (compactions, evicted
 tokens, per pass) and vLLM's BlockPool are read.
@@ -38,8 +38,8 @@ from tp_runs import BLOCK, BUDGET, one_pass, plugin_runs, stock_runs, streaming_
 
 from vllm_kvevict.core.eviction.planner import max_blocks_per_request
 
-# (policy, tp) -> (run in tp_runs.PLUGIN_RUNS, its pass): budget 32 per request
-# for H2O, the server's 32 for StreamingLLM; "h2o full": budget >= length.
+# (policy, tp) -> (run in tp_runs.PLUGIN_RUNS, its pass): budget 64 per request
+# for H2O, the server's 64 for StreamingLLM; "h2o full": budget >= length.
 PASSES = {("h2o", 1): ("h2o_tp1", BUDGET), ("h2o", 2): ("h2o_tp2", BUDGET),
           ("h2o full", 2): ("h2o_tp2", None),
           ("streaming", 1): ("streaming_tp1", None), ("streaming", 2): ("streaming_tp2", None)}
@@ -70,7 +70,7 @@ def test_tp2_equals_tp1_under_eviction(plugin, policy):
     several compactions per request that really returned blocks to vLLM's pool."""
     tp1, tp2 = plugin(policy, 1), plugin(policy, 2)
     for run in (tp1, tp2):
-        # 109-128 tokens per request at budget 32: compactions at 64 and 96 tokens.
+        # 109-128 tokens per request at budget 64: compactions at 64 and 96 tokens.
         assert run["compactions"] >= 2 * len(PROMPTS)
         assert run["evicted"] >= 2 * len(PROMPTS) * BLOCK
         assert run["max_blocks"] <= max_blocks_per_request(BUDGET, BLOCK)
@@ -82,7 +82,7 @@ def test_tp2_equals_tp1_under_eviction(plugin, policy):
 def test_tp2_plugin_equals_stock_without_eviction_and_eviction_changes_tokens(plugin, stock):
     """At TP 2, budget >= length: the plugin's own KV write, attention and scoring
     on one KV head per rank give stock vLLM's tokens exactly (the same engine as
-    the TP 2 H2O run, generating again without a per-request budget). At budget 32
+    the TP 2 H2O run, generating again without a per-request budget). At budget 64
     the tokens differ from stock: the workers really attend to fewer keys."""
     full = plugin("h2o full", 2)
     assert full["compactions"] == full["evicted"] == 0
@@ -93,7 +93,7 @@ def test_tp2_plugin_equals_stock_without_eviction_and_eviction_changes_tokens(pl
 @pytest.mark.slow
 def test_streaming_tp2_evicts_other_tokens_than_h2o(plugin, stock):
     """StreamingLLM keeps other tokens than H2O (so its tokens differ from both
-    stock's and H2O's at budget 32)."""
+    stock's and H2O's at budget 64)."""
     h2o, streaming = plugin("h2o", 2)["ids"], plugin("streaming", 2)["ids"]
     assert streaming != stock["tp2"]["ids"]
     assert h2o != streaming

@@ -16,7 +16,10 @@ plugins load once per process, either every run is `stock` or none is.
 `"passes": [32, null]` has one engine (server budget `budget`) generate the
 prompts once per entry, one pass after the other: an int is a per-request
 budget (`SamplingParams(extra_args={"kv_budget": n})`, at most `budget`), null
-the server's own. Without `passes` a run generates once, at the server's budget.
+the server's own, `"length-1"` each request's own length (prompt + max tokens)
+less one: above every token it writes (the last sampled token is never
+written), so nothing compacts, yet under its length, so it is scored. Without
+`passes` a run generates once, at the server's budget.
 
 Why a separate process: vLLM caches its environment variables once an engine
 has started (`enable_envs_cache`), so VLLM_CPU_OMP_THREADS_BIND="0|1", which
@@ -52,6 +55,14 @@ import json
 import os
 import sys
 import time
+
+
+def pass_budgets(llm, prompts: list[str], budget, max_tokens: int) -> list:
+    """Each prompt's per-request budget in a pass (see `passes` above)."""
+    if budget != "length-1":
+        return [budget] * len(prompts)
+    tok = llm.get_tokenizer()
+    return [len(tok(p)["input_ids"]) + max_tokens - 1 for p in prompts]
 
 
 def process_cpus() -> list[int]:
@@ -231,8 +242,9 @@ if __name__ == "__main__":
             managers = probe.managers()
         for budget in run.get("passes", [None]):
             t1 = time.perf_counter()
-            params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
-                                    extra_args=None if budget is None else {"kv_budget": budget})
+            params = [SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
+                                     extra_args=None if budget is None else {"kv_budget": b})
+                      for b in pass_budgets(llm, prompts, budget, args.max_tokens)]
             if not stock:
                 reset_probe(probe)
                 counted = [(sum(getattr(m, "num_compactions", 0) for m in managers),

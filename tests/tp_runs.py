@@ -7,34 +7,34 @@ Two subprocesses of tests/tp_generate.py (VLLM_PLUGINS and the CPU binding must
 be set before a process's first engine; plugins load once per process):
 
 `plugin_runs()`, one process, engines one after the other (PLUGIN_RUNS):
-  tp 1, h2o, server budget 2048, one pass at per-request budget 32;
-  tp 2 (`mp`), h2o, server budget 2048, passes at per-request budget 32 and at
+  tp 1, h2o, server budget 2048, one pass at per-request budget 64;
+  tp 2 (`mp`), h2o, server budget 2048, passes at per-request budget 64 and at
       the server's 2048 (budget >= length: no eviction);
-  tp 2 over Ray (local instance on loopback), h2o, server budget 32;
-  pp 2 (`mp`), h2o, server budget 2048, passes at per-request budget 32 and at
+  tp 2 over Ray (local instance on loopback), h2o, server budget 64;
+  pp 2 (`mp`), h2o, server budget 2048, passes at per-request budget 64 and at
       SCORED (scored, never compacted: see below);
-  pp 2 over Ray, h2o, server budget 32.
+  pp 2 over Ray, h2o, server budget 64.
 `stock_runs()`, another process with the plugin not loaded: tp 1 and tp 2.
 `streaming_runs()` (the `slow` tier only), a third process: streaming at tp 1
-and tp 2 (`mp`), server budget 32. StreamingLLM's plans come from the
+and tp 2 (`mp`), server budget 64. StreamingLLM's plans come from the
 scheduler alone (no scores), and the TP 2 path they take (one plan applied by
 every rank to its own KV head, blocks freed once in the scheduler) is the one
 H2O's TP 2 runs take by default; its kept set is checked at TP 1 in
 test_engine.py (exactly sinks + recent).
 
-A per-request budget of 32 under a 2048 server gives the same plans as a
-32-token server: the request's config has budget 32 and (kv_recent unset) a
+A per-request budget of 64 under a 2048 server gives the same plans as a
+64-token server: the request's config has budget 64 and (kv_recent unset) a
 16-token recent window either way, and compaction targets and the plans'
 `recent` come from it (EvictionConfig.for_request, planner.compaction_target).
 Measured at TP 1: the same tokens, 8 compactions, 256 evicted tokens, 2 blocks
 per request at most and the same kept positions at every compaction.
 
-SCORED: a per-request budget below every request's length (109-128 tokens),
+SCORED: each request's budget is its own length (109-128 tokens) less one,
 so the planner does not mark it unscored (planner.never_compacts: length <=
-budget) and H2O scores every step, yet above length - block size, so no
-decode compaction fires (physical > budget + block - 1) and the prompts fit
-one chunk: scoring runs, nothing is evicted. The Ray
-run keeps a 32-token server budget, so the server-budget H2O path runs at TP 2
+budget) and H2O scores every step, yet no written token reaches it (the last
+sampled token is never written), so no decode compaction fires (physical >=
+budget) and the prompts fit one chunk: scoring runs, nothing is evicted. The Ray
+run keeps a 64-token server budget, so the server-budget H2O path runs at TP 2
 too, and test_ray's per-rank comparison with the TP 1 run checks that
 equivalence again on every run.
 
@@ -56,10 +56,10 @@ from conftest import PROMPTS, kv_bytes
 
 HERE = os.path.dirname(__file__)
 MAX_TOKENS = 100  # prompts are 9-28 tokens: 109-128 per request
-BUDGET = 32  # one block: compact at 64 resident tokens back to 32, every 32 tokens
+BUDGET = 64  # two blocks: a cap, so compact at 64 resident tokens back to 32, every 32 tokens
 FULL = 2048  # budget >= length: no eviction
 BLOCK = 32
-SCORED = 100  # 109-128 > SCORED >= 128 - BLOCK + 1: scored, never compacted
+SCORED = "length-1"  # each request's length less one: scored, never compacted
 DTYPE = "float32"
 
 # name -> run (tests/tp_generate.py's format); run in this order.

@@ -38,7 +38,7 @@ from vllm_kvevict.eval.server import Server, kv_pool_bytes, native_dtype
 BLOCK = 32  # DEFAULT_ARGS' --block-size: the smallest per-request budget
 # Pool short: a quarter of the tests' pool, about 1,000 SmolLM2 tokens, for up to
 # 48 running requests of up to ~300 prompt tokens, so vLLM preempts. Chunks of
-# 256 prompt tokens keep a request's peak (budget + block + chunk) inside it.
+# 256 prompt tokens keep a request's peak (budget + chunk) inside it.
 SHORT_POOL = ("--kv-cache-memory-bytes", str(kv_pool_bytes(native_dtype()) // 4),
               "--max-num-batched-tokens", "256",
               "--max-num-seqs", "48")

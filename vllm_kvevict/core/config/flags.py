@@ -312,11 +312,12 @@ TABLE: tuple[Flag, ...] = (
               "host pool and fetched back when a decode query is predicted to need it)."),
     Flag("kv_budget", "eviction", 1024, parse_number, request=True,
          help="Resident KV tokens per request: a token count (`256`) or a fraction of the "
-              "request's length (`0.2`); never below one KV block. A request is compacted "
-              "back to it once it has grown a KV block past it, so it holds up to one block "
-              "more (size the pool for budget + block size)."),
+              "request's length (`0.2`); never below one KV block. It is a cap: a request "
+              "that reaches it is compacted a KV block below it, so it never holds more "
+              "than the budget's blocks and compacts once per block of new tokens."),
     Flag("kv_recent", "eviction", None, _optional_number, request=True,
-         shown="half the budget; for `snapkv` and `andpro`, the observation window",
+         shown="half of what a compaction keeps (the budget less a block); for `snapkv` and "
+               "`andpro`, the observation window",
          help="Recent window inside the budget (H2O's recent ratio), in the budget's unit."),
     Flag("kv_sink", "eviction", 4, _tokens,
          help="Attention-sink tokens always kept by `streaming`."),

@@ -318,8 +318,18 @@ class EvictionConfig:
         # A fraction never goes below one block: evicting inside one block frees nothing.
         return max(block_size, math.ceil(self.budget * length))
 
+    @staticmethod
+    def compaction_room(budget: int, block_size: int) -> int:
+        """How far below the budget (a cap) a compaction goes: one block, so that
+        the block it leaves free holds the next block_size tokens and compaction
+        runs once per block. A budget under two blocks leaves less (at one block,
+        one token: a compaction every step), so a compaction keeps at least one
+        block (planner.compaction_target)."""
+        return max(1, min(block_size, budget - block_size))
+
     def recent_tokens(self, budget: int, length: int) -> int:
-        """Size of the always-kept recent window for a given budget."""
+        """Size of the always-kept recent window when a compaction keeps `budget`
+        tokens (plans carry it with the compaction's new length)."""
         if self.recent is None:
             # H2O splits the budget evenly; snapkv/andpro keep their observation
             # window (as the papers do) while it is at most half the budget.
@@ -329,8 +339,12 @@ class EvictionConfig:
             return min(self.recent, budget)
         return min(budget, math.ceil(self.recent * length))
 
-    def recent_in_force(self) -> str:
-        """The recent window the policy keeps under these settings, --kv-recent
-        given or not (the info gauge on /metrics)."""
+    def recent_in_force(self, block_size: int) -> str:
+        """The recent window a compaction keeps under these settings, --kv-recent
+        given or not (the info gauge on /metrics): under a token budget, what
+        plans carry; under a fractional one, the fraction it is taken from."""
+        kept = self.budget
+        if isinstance(kept, int):
+            kept -= self.compaction_room(kept, block_size)
         return POLICY_CLASSES.get(self.policy, EvictionPolicy).recent_in_force(
-            self.budget, self.recent, self.sink, self.window)
+            kept, self.recent, self.sink, self.window)

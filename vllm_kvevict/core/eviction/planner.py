@@ -6,9 +6,11 @@ just executes its plans, so both sides agree by construction. Which blocks a
 compaction then frees, copies or takes out of the prefix cache is decided in
 blocks.py (compaction_point calls this with the pool's prefill room).
 
-    decode:        compact when P >= budget + block_size, back down to budget.
-                   Compaction then runs once per block of new tokens, and a
-                   request never holds more than budget + block_size tokens.
+    decode:        the budget is a cap: compact when the next token would
+                   take P past it (P >= budget), back down to budget - room,
+                   room being one block (EvictionConfig.compaction_room). Compaction then runs
+                   once per block of new tokens, and a request never holds more
+                   than budget tokens, i.e. ceil(budget / block_size) blocks.
     offload (InfiniGen): no compaction during prefill; decode as above, and
                    the evicted tokens go to the host tier.
     prefill (default): the prompt stays whole, and its first decode step
@@ -17,8 +19,9 @@ blocks.py (compaction_point calls this with the pool's prefill room).
                    question at its end included: compaction is decided after the
                    question, not before.
     prefill, memory short (or P past --kv-prefill-cap): before the next prompt
-                   chunk, compact when P > budget, so a prompt far longer than
-                   the pool still holds at most budget + one chunk.
+                   chunk, compact when P > budget (to budget - room), so a
+                   prompt far longer than the pool holds at most budget + one
+                   chunk.
 """
 
 from __future__ import annotations
@@ -39,11 +42,12 @@ def compaction_target(cfg: EvictionConfig, physical: int, logical: int,
         # earlier prompt token, as in InfiniGen), then moves to the host tier.
         return None
     budget = cfg.budget_tokens(logical, block_size)
+    target = budget - cfg.compaction_room(budget, block_size)
     if in_prefill:
         if room and (cfg.prefill_cap is None or physical <= cfg.prefill_cap):
             return None  # decide after the question: the prompt stays whole
-        return budget if physical > budget else None
-    return budget if physical > budget + block_size - 1 else None
+        return target if physical > budget else None
+    return target if physical >= budget else None
 
 
 def never_compacts(cfg: EvictionConfig, prompt_len: int, max_tokens: int) -> bool:
@@ -55,5 +59,5 @@ def never_compacts(cfg: EvictionConfig, prompt_len: int, max_tokens: int) -> boo
 
 
 def max_blocks_per_request(budget: int, block_size: int) -> int:
-    """The bound the issue states for decode: ceil((budget + bs) / bs) + 1."""
-    return -(-(budget + block_size) // block_size) + 1
+    """The most blocks a decoding request holds: ceil(budget / bs)."""
+    return -(-budget // block_size)
