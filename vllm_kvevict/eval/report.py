@@ -157,13 +157,16 @@ def write_report(rows: list[dict], out: str | Path, meta: dict | None = None) ->
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     lines = ["# KV eviction fidelity (vllm_kvevict)", ""]
+    engines = (meta or {}).get("engines", {})
     if meta:
+        # the dtype the engines ran in (--dtype), not an assumed one
+        dtypes = sorted({e.get("dtype", "bfloat16") for e in engines.values()}) or ["bfloat16"]
         lines += [(f"Config `{meta.get('config')}`, {meta.get('date', '')}, "
                    f"{meta.get('cpus', '?')} CPUs, total {meta.get('wall_s', '?')} s. "
                    "Budgets are fractions of each request's current length (never below one "
-                   "32-token block). Greedy, bfloat16, chunked prefill. Wall times come from "
+                   f"32-token block), a cap on what a request holds. Greedy, {'/'.join(dtypes)}, "
+                   "chunked prefill. Wall times come from "
                    "a shared machine: compare them within one run only."), ""]
-    engines = (meta or {}).get("engines", {})
     for model in _models(rows):
         lines += [f"## {model}", ""]
         if model in engines:
