@@ -8,9 +8,10 @@ blocks.py (compaction_point calls this with the pool's prefill room).
 
     decode:        the budget is a cap: compact when the next token would
                    take P past it (P >= budget), back down to budget - room,
-                   room being one block (EvictionConfig.compaction_room). Compaction then runs
-                   once per block of new tokens, and a request never holds more
-                   than budget tokens, i.e. ceil(budget / block_size) blocks.
+                   room being one block (EvictionConfig.compaction_room).
+                   Compaction then runs once per block of new tokens, and a
+                   request never holds more than budget tokens, i.e.
+                   ceil(budget / block_size) blocks.
     offload (InfiniGen): no compaction during prefill; decode as above, and
                    the evicted tokens go to the host tier.
     prefill (default): the prompt stays whole, and its first decode step
