@@ -66,7 +66,7 @@ def test_help_shows_each_flag_with_its_default(parser, capsys):
         parser.parse_args(["--help=kv-"])
     text = capsys.readouterr().out
     for flag, default in (("--kv-eviction", "Default: none."), ("--kv-budget", "Default: 1024."),
-                          ("--kv-recent", "Default: half the budget;"),
+                          ("--kv-recent", "Default: half of what a compaction keeps"),
                           ("--kv-sink", "Default: 4."), ("--kv-window", "Default: 32."),
                           ("--kv-swap-space", "Default: 4GiB under infinigen"),
                           ("--kv-alpha", "Default: 4."), ("--kv-attend-cap", "Default: 0.2."),
