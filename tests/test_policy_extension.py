@@ -7,7 +7,7 @@ example of docs/design.md, "Adding a policy"; the product does not ship it.
 
 What is checked, against vLLM's own accounting and a plain-torch reference:
   * the engine runs it: compactions happen, the policy's compaction_scores
-    ran, requests never hold more blocks than budget + one block allows, and
+    ran, requests never hold more blocks than the budget (a cap) allows, and
     vLLM's BlockPool is whole once the engine is idle (blocks really freed);
   * its kept sets equal the reference's. Key norms are RoPE-invariant (RoPE
     rotates pairs of channels), so the reference takes the keys straight from
