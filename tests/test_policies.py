@@ -67,6 +67,13 @@ def test_planner_decode_and_chunk_boundaries():
     assert compaction_target(between, 96, 96, True, 32) is None
     off = EvictionConfig.from_dict({"kv_eviction": "none"})
     assert compaction_target(off, 10_000, 10_000, False, 32) is None
+    # A fraction caps the length after this step's token: 100% never compacts,
+    # 50% compacts once the next token would pass half the new length.
+    whole = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 1.0})
+    assert compaction_target(whole, 500, 500, False, 32) is None
+    half = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 0.5})
+    assert compaction_target(half, 250, 500, False, 32) is None  # 251 <= ceil(501 / 2)
+    assert compaction_target(half, 251, 500, False, 32) == 251 - 32  # 252 > 251
 
 
 @pytest.mark.parametrize("budget,target", [
