@@ -327,6 +327,10 @@ class EvictionConfig:
         block (planner.compaction_target)."""
         return max(1, min(block_size, budget - block_size))
 
+    def compaction_keep(self, budget: int, block_size: int) -> int:
+        """Tokens a compaction under `budget` keeps: the budget less its room."""
+        return budget - self.compaction_room(budget, block_size)
+
     def recent_tokens(self, budget: int, length: int) -> int:
         """Size of the always-kept recent window when a compaction keeps `budget`
         tokens (plans carry it with the compaction's new length)."""
@@ -345,6 +349,6 @@ class EvictionConfig:
         plans carry; under a fractional one, the fraction it is taken from."""
         kept = self.budget
         if isinstance(kept, int):
-            kept -= self.compaction_room(kept, block_size)
+            kept = self.compaction_keep(kept, block_size)
         return POLICY_CLASSES.get(self.policy, EvictionPolicy).recent_in_force(
             kept, self.recent, self.sink, self.window)

@@ -46,11 +46,11 @@ def compaction_target(cfg: EvictionConfig, physical: int, logical: int,
         if room and (cfg.prefill_cap is None or physical <= cfg.prefill_cap):
             return None  # decide after the question: the prompt stays whole
         budget = cfg.budget_tokens(logical, block_size)
-        return budget - cfg.compaction_room(budget, block_size) if physical > budget else None
+        return cfg.compaction_keep(budget, block_size) if physical > budget else None
     # Decode writes one token: afterwards the request may hold the budget of its
     # new length (a fraction of 1.0 then never compacts; a count: physical >= budget).
     budget = cfg.budget_tokens(logical + 1, block_size)
-    return budget - cfg.compaction_room(budget, block_size) if physical + 1 > budget else None
+    return cfg.compaction_keep(budget, block_size) if physical + 1 > budget else None
 
 
 def never_compacts(cfg: EvictionConfig, prompt_len: int, max_tokens: int) -> bool:
