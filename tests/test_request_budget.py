@@ -71,7 +71,9 @@ def test_request_budget_bounds_its_blocks_and_shows_in_metrics(llm):
     m = _samples()
     (info,) = [dict(labels) for name, labels in m if name == "vllm_kvevict_info"]
     assert info["policy"] == "h2o" and info["budget"] == str(SERVER_BUDGET)
-    assert info["recent"] == str(SERVER_BUDGET // 2)  # the default in force, not "None"
+    # The default in force, not "None": half of what a compaction keeps (the
+    # budget less one 32-token block of room).
+    assert info["recent"] == str((SERVER_BUDGET - 32) // 2)
     assert m[("vllm_kvevict_tokens_evicted_total", ())] == manager.num_tokens_evicted > 0
     assert m[("vllm_kvevict_blocks_freed_total", ())] == manager.num_blocks_freed
     assert m[("vllm_kvevict_compactions_total", ())] == manager.num_compactions
