@@ -46,7 +46,7 @@ def test_units_and_defaults():
     frac = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": "20%", "kv_recent": 0.1})
     assert frac.budget == pytest.approx(0.2)
     assert frac.budget_tokens(1000, 32) == 200 and frac.recent_tokens(200, 1000) == 100
-    assert frac.budget_tokens(50, 32) == 32  # never below one block
+    assert frac.budget_tokens(50, 32) == 64  # never below two blocks: a block of room
     assert not EvictionConfig.from_dict({}).enabled
     assert EvictionConfig.from_dict(cfg.to_dict()) == cfg
 
@@ -78,7 +78,7 @@ def test_window_policies_keep_their_window_while_it_fits():
     assert cfg.recent_tokens(40, 1000) == 20  # never more than half the budget
     frac = EvictionConfig.from_dict({"kv_eviction": "snapkv", "kv_budget": 0.02,
                                      "kv_window": 48})
-    assert frac.budget_tokens(1000, 32) == 32 and frac.recent_tokens(32, 1000) == 16
+    assert frac.budget_tokens(1000, 32) == 64 and frac.recent_tokens(32, 1000) == 16
     with pytest.raises(EvictionConfigError, match="--kv-window"):
         EvictionConfig.from_dict({"kv_eviction": "snapkv", "kv_window": 0.5})
     # h2o is unaffected by the window setting.
@@ -164,7 +164,7 @@ def test_max_pml_bytes_bare_number_stays_bytes():
 # units: a fraction at most the server's fraction; a token count at most the
 # server's token count. Across units only what is sound at every length passes:
 # against a fractional server, a token count no larger than what the server keeps
-# at that length (one block, or nearly everything when the fraction is ~1);
+# at that length (two blocks, or nearly everything when the fraction is ~1);
 # against a token server, no fraction (a long request would pass the count).
 BLOCK = 32
 
@@ -178,7 +178,8 @@ def _server(budget, **extra):
     (0.2, {"kv_budget": 0.2}, 0.2),
     (0.2, {"kv_budget": "20%"}, 0.2),
     (0.2, {"kv_budget": "0.05"}, 0.05),
-    (0.2, {"kv_budget": BLOCK}, BLOCK),  # one block: the least the server ever keeps
+    (0.2, {"kv_budget": BLOCK}, BLOCK),  # one block: under the least the server keeps (two)
+    (0.2, {"kv_budget": 2 * BLOCK}, 2 * BLOCK),  # two blocks: the least it ever keeps
     (0.2, {"kv_recent": 0.1}, 0.2),
     (0.2, {"kv_budget": 0.1, "kv_recent": 0.05}, 0.1),
     (1.0, {"kv_budget": 4096}, 4096),  # the server keeps every token: any count is less
@@ -204,8 +205,8 @@ def test_request_may_ask_for_less_than_the_server(server, asked, budget):
     (0.2, 0.21),
     (0.2, "50%"),
     (0.2, 10**9),
-    (0.2, 64),
-    (0.2, 33),
+    (0.2, 65),  # the server keeps 64 (two blocks) of a request 65 tokens long
+    (0.2, 321),
     (0.999, 1001),
     (256, 257),
     (256, 10**9),

@@ -97,6 +97,22 @@ def test_a_decoding_request_never_holds_more_than_its_budget(budget, target):
     assert landed == {target}
 
 
+def test_a_small_fraction_floors_at_two_blocks_and_compacts_once_per_block():
+    """5% of a short request is under a block: the fraction's floor (two blocks)
+    leaves a block of room, so decode compacts once per 32 new tokens, back to
+    one block, never every step (as a one-block floor under the cap did)."""
+    cfg = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 0.05})
+    physical, compactions = 12, 0
+    for logical in range(12, 12 + 640):
+        new = compaction_target(cfg, physical, logical, in_prefill=False, block_size=32)
+        if new is not None:
+            assert new == 32, (logical, new)
+            compactions, physical = compactions + 1, new
+        physical += 1
+        assert physical <= 64, (logical, physical)
+    assert compactions == (640 - (64 - 12)) // 32 + 1  # first at 64 resident, then every 32
+
+
 def test_never_compacts_only_when_the_whole_request_fits_a_token_budget():
     from vllm_kvevict.core.config.settings import EvictionConfig
     from vllm_kvevict.core.eviction.planner import never_compacts

@@ -312,7 +312,7 @@ TABLE: tuple[Flag, ...] = (
               "host pool and fetched back when a decode query is predicted to need it)."),
     Flag("kv_budget", "eviction", 1024, parse_number, request=True,
          help="Resident KV tokens per request: a token count (`256`) or a fraction of the "
-              "request's length (`0.2`); never below one KV block. It is a cap: a request "
+              "request's length (`0.2`, never below two KV blocks). It is a cap: a request "
               "that reaches it is compacted a KV block below it, so it never holds more "
               "than the budget's blocks and compacts once per block of new tokens."),
     Flag("kv_recent", "eviction", None, _optional_number, request=True,

@@ -315,8 +315,11 @@ class EvictionConfig:
         """Resident tokens allowed for a request of logical `length`."""
         if isinstance(self.budget, int):
             return self.budget
-        # A fraction never goes below one block: evicting inside one block frees nothing.
-        return max(block_size, math.ceil(self.budget * length))
+        # A fraction never goes below two blocks: the cap then always leaves a
+        # block of room (compaction_room), so a short request compacts once per
+        # block, not every step, and holds what the rule before the cap held at
+        # its one-block floor (32-63 tokens then, 32-64 now, at 32-token blocks).
+        return max(2 * block_size, math.ceil(self.budget * length))
 
     @staticmethod
     def compaction_room(budget: int, block_size: int) -> int:
