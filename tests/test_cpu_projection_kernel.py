@@ -20,6 +20,7 @@ import torch
 from conftest import kernel_isas
 
 from vllm_kvevict import cpu_kernel
+from vllm_kvevict.core.eviction import kernel_dispatch
 from vllm_kvevict.core.eviction.kernel_dispatch import cpu_projection_isa
 from vllm_kvevict.core.scoring import window_scores
 from vllm_kvevict.core.scoring.window_scores import finalize, raw_scores_torch
@@ -154,8 +155,14 @@ def test_the_dispatcher_says_where_the_kernel_runs(monkeypatch):
     k = v = torch.zeros(1, 3, 100, 64, dtype=torch.bfloat16)
     monkeypatch.setenv("VLLM_KVEVICT_CPU_ISA", "auto")
     best = cpu_kernel.isa()
-    assert cpu_projection_isa(q, k, v) == (best if best == "amx" else None)  # auto: amx only
-    assert cpu_projection_isa(q.float(), k.float(), v.float()) is None  # avx2 not by default
+    # auto: amx; avx2 only where torch's GEMMs lack AVX-512 too (both cases on
+    # every machine, the CPU's AVX-512 stubbed).
+    monkeypatch.setattr(kernel_dispatch, "_has_avx512", lambda: True)
+    assert cpu_projection_isa(q, k, v) == (best if best == "amx" else None)
+    assert cpu_projection_isa(q.float(), k.float(), v.float()) is None
+    monkeypatch.setattr(kernel_dispatch, "_has_avx512", lambda: False)
+    assert cpu_projection_isa(q, k, v) == (best if best in ("amx", "avx2") else None)
+    assert cpu_projection_isa(q.float(), k.float(), v.float()) == "avx2"
     assert cpu_projection_isa(q[..., :56], k[..., :56], v[..., :56]) is None  # D % 16
     assert cpu_projection_isa(q, k[:, :, :20], v[:, :, :20]) is None  # n < w
     monkeypatch.setenv("VLLM_KVEVICT_CPU_ISA", "avx2")

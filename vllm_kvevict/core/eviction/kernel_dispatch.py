@@ -110,11 +110,13 @@ def cpu_projection_isa(queries: torch.Tensor, keys: torch.Tensor,
     or None: `window_scores.raw_scores_torch` runs.
 
     The kernel takes head sizes that are multiples of 16 and n >= w. By
-    default only its amx path runs (AMX CPU, bf16 data, head size 32 or 64):
-    it is 3-4x faster than torch float32 at the demo's shapes (2.9x at n 192), where the
-    avx512bf16 and avx2 paths are slower than torch's AVX-512 float32 GEMMs on
-    an AVX-512 CPU (benchmarks/window_scores_cpu.py). VLLM_KVEVICT_CPU_ISA
-    set to a path runs that path wherever the kernel can (tests force each)."""
+    default its amx path runs (AMX CPU, bf16 data, head size 32 or 64): it is
+    3-4x faster than torch float32 at the demo's shapes (2.9x at n 192), where
+    the avx512bf16 and avx2 paths are slower than torch's AVX-512 float32 GEMMs
+    on an AVX-512 CPU; and on a CPU without AVX-512, where torch's GEMMs are
+    AVX2 too, its avx2 path (1.2-1.5x faster than torch at n 272-1040 on an
+    AVX2-only EPYC; benchmarks/window_scores_cpu.py). VLLM_KVEVICT_CPU_ISA set
+    to a path runs that path wherever the kernel can (tests force each)."""
     d = queries.shape[-1]
     if (values.shape != keys.shape or values.device != keys.device or d % 16
             or keys.shape[2] < queries.shape[1]):
@@ -125,7 +127,18 @@ def cpu_projection_isa(queries: torch.Tensor, keys: torch.Tensor,
     if isa in ("amx", "avx512bf16") and values.dtype != torch.bfloat16:
         isa = "avx2"
     forced = os.environ.get("VLLM_KVEVICT_CPU_ISA", "auto").strip().lower() != "auto"
-    return isa if forced or (isa == "amx" and d in (32, 64)) else None
+    faster = (isa == "amx" and d in (32, 64)) or (isa == "avx2" and not _has_avx512())
+    return isa if forced or faster else None
+
+
+@functools.lru_cache(maxsize=1)
+def _has_avx512() -> bool:
+    """Whether torch's float32 GEMMs here use AVX-512 (then only the amx path
+    beats them at AnDPro's window shapes)."""
+    from vllm_kvevict import cpu_kernel
+
+    flags = cpu_kernel.cpu_flags()
+    return flags == "?" or "avx512f" in flags.split()  # unknown: keep torch
 
 
 def cpu_token_mover(layout, cache: torch.Tensor):
