@@ -50,7 +50,9 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, model: str, *args: str, stock: bool = False, env: dict | None = None,
-                 start_timeout: float = 300.0, defaults: tuple[str, ...] = DEFAULT_ARGS):
+                 start_timeout: float = 600.0, defaults: tuple[str, ...] = DEFAULT_ARGS):
+        # start_timeout: a server that exits fails at once; 600 s only bounds a hang. A
+        # cold start (fresh venv, both cores busy with the suite) once took over 300 s.
         self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
