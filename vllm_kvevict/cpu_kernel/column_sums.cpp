@@ -451,6 +451,30 @@ void softmax_into_256(float* l, int64_t vis, float* col) {
   for (int64_t i = full; i < vis; ++i) col[i] += l[i] * inv;
 }
 
+// Scaled logits of rows [j0, j0 + 4) of qf (ROWS x D) against 16 packed keys
+// (two [D][8] chunks at kc), into out[j * ld + (0..15)]. Four rows by sixteen
+// keys: per dimension two key loads and four broadcasts feed eight FMAs (an
+// 8 x 8 tile needed nine loads for eight, and the loads, not the FMAs, set its
+// pace on AVX2). The sums stay in this function's own registers.
+inline void logits_4x16(const float* qf, int64_t j0, const float* kc, int64_t d, __m256 scale,
+                        float* out, int64_t ld) {
+  __m256 a0[4], a1[4];
+  for (int j = 0; j < 4; ++j) a0[j] = a1[j] = _mm256_setzero_ps();
+  const float* k1 = kc + 8 * d;
+  for (int64_t k = 0; k < d; ++k) {
+    const __m256 kv0 = _mm256_loadu_ps(kc + k * 8), kv1 = _mm256_loadu_ps(k1 + k * 8);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 b = _mm256_set1_ps(qf[(j0 + j) * d + k]);
+      a0[j] = _mm256_fmadd_ps(b, kv0, a0[j]);
+      a1[j] = _mm256_fmadd_ps(b, kv1, a1[j]);
+    }
+  }
+  for (int j = 0; j < 4; ++j) {
+    _mm256_storeu_ps(out + (j0 + j) * ld, _mm256_mul_ps(a0[j], scale));
+    _mm256_storeu_ps(out + (j0 + j) * ld + 8, _mm256_mul_ps(a1[j], scale));
+  }
+}
+
 // Keys [0, n) (n a multiple of 8) of (r, h) as float32 [n/8][D][8].
 template <typename T>
 void pack_f32(const Work& w, int64_t r, int64_t h, int64_t n, float* out) {
@@ -471,9 +495,10 @@ void run_f32(const Work& w, const at::Tensor& q, int64_t r, int64_t h, int64_t s
   if (rows.t.empty()) return;
   const int64_t d = w.d;
   const int64_t hi = (*std::max_element(rows.vis.begin(), rows.vis.end()) + 7) / 8 * 8;
-  std::vector<float> keys(hi * d);
+  const int64_t hi16 = (hi + 15) / 16 * 16;  // logits_4x16 reads keys in 16s: zero past hi
+  std::vector<float> keys(hi16 * d, 0.0f);
   pack_f32<T>(w, r, h, hi, keys.data());
-  std::vector<float> logits(ROWS * hi);
+  std::vector<float> logits(ROWS * hi16);
   std::vector<float> qf(ROWS * d);
   const QT* qd = q.data_ptr<QT>();
   const __m256 scale = _mm256_set1_ps(w.scale);
@@ -486,19 +511,10 @@ void run_f32(const Work& w, const at::Tensor& q, int64_t r, int64_t h, int64_t s
       for (int64_t k = 0; k < d; ++k) qf[j * d + k] = to_float(src[k]);
       bhi = std::max(bhi, rows.vis[b0 + j]);
     }
-    for (int64_t c = 0; c < (bhi + 7) / 8; ++c) {
-      const float* kc = keys.data() + c * 8 * d;
-      __m256 acc[ROWS];
-      for (int j = 0; j < ROWS; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t k = 0; k < d; ++k) {
-        const __m256 kv = _mm256_loadu_ps(kc + k * 8);
-        for (int j = 0; j < ROWS; ++j)
-          acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(qf[j * d + k]), kv, acc[j]);
-      }
-      for (int j = 0; j < ROWS; ++j)
-        _mm256_storeu_ps(logits.data() + j * hi + c * 8, _mm256_mul_ps(acc[j], scale));
-    }
-    for (int64_t j = 0; j < nb; ++j) softmax_into_256(logits.data() + j * hi, rows.vis[b0 + j], col);
+    for (int64_t c = 0; c < (bhi + 15) / 16; ++c)  // rows past nb: a half of zero rows is skipped
+      for (int64_t j0 = 0; j0 < nb; j0 += 4)
+        logits_4x16(qf.data(), j0, keys.data() + c * 16 * d, d, scale, logits.data() + c * 16, hi16);
+    for (int64_t j = 0; j < nb; ++j) softmax_into_256(logits.data() + j * hi16, rows.vis[b0 + j], col);
   }
 }
 
