@@ -451,27 +451,35 @@ void softmax_into_256(float* l, int64_t vis, float* col) {
   for (int64_t i = full; i < vis; ++i) col[i] += l[i] * inv;
 }
 
-// Scaled logits of rows [j0, j0 + 4) of qf (ROWS x D) against 16 packed keys
-// (two [D][8] chunks at kc), into out[j * ld + (0..15)]. Four rows by sixteen
-// keys: per dimension two key loads and four broadcasts feed eight FMAs (an
-// 8 x 8 tile needed nine loads for eight, and the loads, not the FMAs, set its
-// pace on AVX2). The sums stay in this function's own registers.
-inline void logits_4x16(const float* qf, int64_t j0, const float* kc, int64_t d, __m256 scale,
-                        float* out, int64_t ld) {
+// Rows [j0, j0 + 4) of x (ROWS x D) against 16 packed keys (two [D][8] chunks
+// at kc): z0[j] keys 0-7, z1[j] keys 8-15. Four rows by sixteen keys: per
+// dimension two key loads and four broadcasts feed eight FMAs (an 8 x 8 tile
+// needed nine loads for eight, and the loads, not the FMAs, set its pace on
+// AVX2). The sums build in local arrays: __m256 may alias float, so a
+// caller's array would be stored back every dimension.
+inline void dot_4x16(const float* x, int64_t j0, const float* kc, int64_t d, __m256 z0[4], __m256 z1[4]) {
   __m256 a0[4], a1[4];
   for (int j = 0; j < 4; ++j) a0[j] = a1[j] = _mm256_setzero_ps();
   const float* k1 = kc + 8 * d;
   for (int64_t k = 0; k < d; ++k) {
     const __m256 kv0 = _mm256_loadu_ps(kc + k * 8), kv1 = _mm256_loadu_ps(k1 + k * 8);
     for (int j = 0; j < 4; ++j) {
-      const __m256 b = _mm256_set1_ps(qf[(j0 + j) * d + k]);
+      const __m256 b = _mm256_set1_ps(x[(j0 + j) * d + k]);
       a0[j] = _mm256_fmadd_ps(b, kv0, a0[j]);
       a1[j] = _mm256_fmadd_ps(b, kv1, a1[j]);
     }
   }
+  for (int j = 0; j < 4; ++j) z0[j] = a0[j], z1[j] = a1[j];
+}
+
+// dot_4x16 scaled, into out[(j0 + j) * ld + (0..15)].
+inline void logits_4x16(const float* qf, int64_t j0, const float* kc, int64_t d, __m256 scale,
+                        float* out, int64_t ld) {
+  __m256 z0[4], z1[4];
+  dot_4x16(qf, j0, kc, d, z0, z1);
   for (int j = 0; j < 4; ++j) {
-    _mm256_storeu_ps(out + (j0 + j) * ld, _mm256_mul_ps(a0[j], scale));
-    _mm256_storeu_ps(out + (j0 + j) * ld + 8, _mm256_mul_ps(a1[j], scale));
+    _mm256_storeu_ps(out + (j0 + j) * ld, _mm256_mul_ps(z0[j], scale));
+    _mm256_storeu_ps(out + (j0 + j) * ld + 8, _mm256_mul_ps(z1[j], scale));
   }
 }
 

@@ -434,23 +434,9 @@ void pack_f32_dense(const T* src, int64_t n, int64_t n8, int64_t d, float* out) 
     }
 }
 
-// Z tile for 8 rows x 8 keys: out[j] = sum_k x[j * d + k] * keys[k * 8 + (0..7)].
-// The sums build in a local array written to `out` once: __m256 may alias
-// float, so accumulating in the caller's array made GCC store all eight
-// accumulators every k (one store per FMA, 2x the loop's time on AVX2).
-inline void dot8_f32(const float* x, const float* kc, int64_t d, __m256 out[ROWS]) {
-  __m256 acc[ROWS];
-  for (int j = 0; j < ROWS; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < d; ++k) {
-    const __m256 kv = _mm256_loadu_ps(kc + k * 8);
-    for (int j = 0; j < ROWS; ++j) acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(x[j * d + k]), kv, acc[j]);
-  }
-  for (int j = 0; j < ROWS; ++j) out[j] = acc[j];
-}
-
 template <typename T>
 void proj_f32(const ProjTaskF& p, int64_t bh, int64_t split, int64_t splits, float* col) {
-  const int64_t d = p.d, rows = p.w * p.g, n = p.n, n8 = round_up(n, 8);
+  const int64_t d = p.d, rows = p.w * p.g, n = p.n, n8 = round_up(n, 16);  // dot_4x16: 16 keys at a time
   const int64_t bb = bh / p.h, h = bh % p.h;
   const T* k = static_cast<const T*>(p.k) + bh * n * d;
   const T* v = static_cast<const T*>(p.v) + bh * n * d;
@@ -471,12 +457,10 @@ void proj_f32(const ProjTaskF& p, int64_t bh, int64_t split, int64_t splits, flo
       const T* src = q + ((bb * p.w + t) * p.hq + h * p.g + g) * d;
       for (int64_t e = 0; e < d; ++e) qf[j * d + e] = to_float(src[e]);
     }
-    const int64_t nc = (vis[nb - 1] + 7) / 8, e8 = nc * 8;
-    __m256 acc[ROWS];
-    for (int64_t c = 0; c < nc; ++c) {  // 1. logits (scaled)
-      dot8_f32(qf.data(), keys.data() + c * 8 * d, d, acc);
-      for (int j = 0; j < ROWS; ++j) _mm256_storeu_ps(a.data() + j * n8 + c * 8, _mm256_mul_ps(acc[j], scale));
-    }
+    const int64_t nc = (vis[nb - 1] + 15) / 16, e8 = nc * 16;  // 16-key chunks
+    for (int64_t c = 0; c < nc; ++c)  // 1. logits (scaled); a half of zero rows is skipped
+      for (int64_t j0 = 0; j0 < nb; j0 += 4)
+        logits_4x16(qf.data(), j0, keys.data() + c * 16 * d, d, scale, a.data() + c * 16, n8);
     for (int64_t j = 0; j < ROWS; ++j) {  // 2. softmax; rows past nb zero
       if (j < nb) softmax_row_256(a.data() + j * n8, vis[j], e8);
       else std::fill(a.begin() + j * n8, a.begin() + j * n8 + e8, 0.0f);
@@ -500,11 +484,19 @@ void proj_f32(const ProjTaskF& p, int64_t bh, int64_t split, int64_t splits, flo
           _mm256_storeu_ps(y.data() + (j0 + j) * d + d0 + 8, ya[j][1]);
         }
       }
-    for (int64_t c = 0; c < nc; ++c) {  // 4. Z = Y V^T per 8 keys, and the products
-      dot8_f32(y.data(), vkeys.data() + c * 8 * d, d, acc);
-      __m256 s = _mm256_loadu_ps(col + c * 8);
-      for (int64_t j = 0; j < nb; ++j) s = _mm256_fmadd_ps(_mm256_loadu_ps(a.data() + j * n8 + c * 8), acc[j], s);
-      _mm256_storeu_ps(col + c * 8, s);
+    for (int64_t c = 0; c < nc; ++c) {  // 4. Z = Y V^T per 16 keys, and the products
+      __m256 s0 = _mm256_loadu_ps(col + c * 16), s1 = _mm256_loadu_ps(col + c * 16 + 8);
+      for (int64_t j0 = 0; j0 < nb; j0 += 4) {
+        __m256 z0[4], z1[4];
+        dot_4x16(y.data(), j0, vkeys.data() + c * 16 * d, d, z0, z1);
+        for (int64_t j = j0; j < std::min<int64_t>(j0 + 4, nb); ++j) {
+          const float* aj = a.data() + j * n8 + c * 16;
+          s0 = _mm256_fmadd_ps(_mm256_loadu_ps(aj), z0[j - j0], s0);
+          s1 = _mm256_fmadd_ps(_mm256_loadu_ps(aj + 8), z1[j - j0], s1);
+        }
+      }
+      _mm256_storeu_ps(col + c * 16, s0);
+      _mm256_storeu_ps(col + c * 16 + 8, s1);
     }
   }
 }
