@@ -436,16 +436,16 @@ void pack_f32_dense(const T* src, int64_t n, int64_t n8, int64_t d, float* out) 
 
 template <typename T>
 void proj_f32(const ProjTaskF& p, int64_t bh, int64_t split, int64_t splits, float* col) {
-  const int64_t d = p.d, rows = p.w * p.g, n = p.n, n8 = round_up(n, 16);  // dot_4x16: 16 keys at a time
+  const int64_t d = p.d, rows = p.w * p.g, n = p.n, n16 = round_up(n, 16);  // dot_4x16 takes 16 keys at a time
   const int64_t bb = bh / p.h, h = bh % p.h;
   const T* k = static_cast<const T*>(p.k) + bh * n * d;
   const T* v = static_cast<const T*>(p.v) + bh * n * d;
   const T* q = static_cast<const T*>(p.q);
-  std::vector<float> keys(n8 * d), vkeys(n8 * d), vals(n8 * d, 0.0f);
-  pack_f32_dense<T>(k, n, n8, d, keys.data());
-  pack_f32_dense<T>(v, n, n8, d, vkeys.data());
+  std::vector<float> keys(n16 * d), vkeys(n16 * d), vals(n16 * d, 0.0f);
+  pack_f32_dense<T>(k, n, n16, d, keys.data());
+  pack_f32_dense<T>(v, n, n16, d, vkeys.data());
   for (int64_t i = 0; i < n * d; ++i) vals[i] = to_float(v[i]);  // (n, D) row-major
-  std::vector<float> a(ROWS * n8), y(ROWS * d), qf(ROWS * d);
+  std::vector<float> a(ROWS * n16), y(ROWS * d), qf(ROWS * d);
   int64_t vis[ROWS];
   const __m256 scale = _mm256_set1_ps(p.scale);
   for (int64_t r0 = split * ROWS; r0 < rows; r0 += splits * ROWS) {
@@ -457,24 +457,24 @@ void proj_f32(const ProjTaskF& p, int64_t bh, int64_t split, int64_t splits, flo
       const T* src = q + ((bb * p.w + t) * p.hq + h * p.g + g) * d;
       for (int64_t e = 0; e < d; ++e) qf[j * d + e] = to_float(src[e]);
     }
-    const int64_t nc = (vis[nb - 1] + 15) / 16, e8 = nc * 16;  // 16-key chunks
+    const int64_t nc = (vis[nb - 1] + 15) / 16, e16 = nc * 16;  // 16-key chunks
     for (int64_t c = 0; c < nc; ++c)  // 1. logits (scaled); a half of zero rows is skipped
       for (int64_t j0 = 0; j0 < nb; j0 += 4)
-        logits_4x16(qf.data(), j0, keys.data() + c * 16 * d, d, scale, a.data() + c * 16, n8);
+        logits_4x16(qf.data(), j0, keys.data() + c * 16 * d, d, scale, a.data() + c * 16, n16);
     for (int64_t j = 0; j < ROWS; ++j) {  // 2. softmax; rows past nb zero
-      if (j < nb) softmax_row_256(a.data() + j * n8, vis[j], e8);
-      else std::fill(a.begin() + j * n8, a.begin() + j * n8 + e8, 0.0f);
+      if (j < nb) softmax_row_256(a.data() + j * n16, vis[j], e16);
+      else std::fill(a.begin() + j * n16, a.begin() + j * n16 + e16, 0.0f);
     }
     for (int64_t j0 = 0; j0 < ROWS; j0 += 4)  // 3. Y = A V, 4 rows x 16 dims at a time
       for (int64_t d0 = 0; d0 < d; d0 += 16) {
         __m256 ya[4][2];
         for (int j = 0; j < 4; ++j) ya[j][0] = ya[j][1] = _mm256_setzero_ps();
         if (j0 < nb)
-          for (int64_t i = 0; i < e8; ++i) {
+          for (int64_t i = 0; i < e16; ++i) {
             const __m256 v0 = _mm256_loadu_ps(vals.data() + i * d + d0);
             const __m256 v1 = _mm256_loadu_ps(vals.data() + i * d + d0 + 8);
             for (int j = 0; j < 4; ++j) {
-              const __m256 aj = _mm256_set1_ps(a[(j0 + j) * n8 + i]);
+              const __m256 aj = _mm256_set1_ps(a[(j0 + j) * n16 + i]);
               ya[j][0] = _mm256_fmadd_ps(aj, v0, ya[j][0]);
               ya[j][1] = _mm256_fmadd_ps(aj, v1, ya[j][1]);
             }
@@ -490,7 +490,7 @@ void proj_f32(const ProjTaskF& p, int64_t bh, int64_t split, int64_t splits, flo
         __m256 z0[4], z1[4];
         dot_4x16(y.data(), j0, vkeys.data() + c * 16 * d, d, z0, z1);
         for (int64_t j = j0; j < std::min<int64_t>(j0 + 4, nb); ++j) {
-          const float* aj = a.data() + j * n8 + c * 16;
+          const float* aj = a.data() + j * n16 + c * 16;
           s0 = _mm256_fmadd_ps(_mm256_loadu_ps(aj), z0[j - j0], s0);
           s1 = _mm256_fmadd_ps(_mm256_loadu_ps(aj + 8), z1[j - j0], s1);
         }
