@@ -1,7 +1,7 @@
 """The CPU scoring kernel of earlier commits against this checkout's, in one
-process, the builds taking turns in every repetition (this VM's speed changes
-within seconds, so builds timed one after another in fresh processes do not
-compare), one thread:
+process, the builds taking turns in every repetition and in reversed order
+every other one (this VM's speed changes within seconds, so builds timed one
+after another in fresh processes do not compare), one thread:
 
     taskset -c 0 .venv/bin/python scripts/measure/kernel_ab.py REV [REV ...] [--isa avx2]
 
@@ -106,14 +106,16 @@ def main() -> None:
         times = [[] for _ in builds]
         outs = []
         for rep in range(reps + 1):  # the first round warms up
-            for i, (_, mod) in enumerate(builds):
+            order = list(enumerate(builds))
+            for i, (_, mod) in order[::-1] if rep % 2 else order:  # who goes first alternates
                 cpu_kernel.module = lambda mod=mod: mod  # what the entry points call
                 t0 = time.perf_counter()
                 out = fn()
                 if rep:
                     times[i].append(1e3 * (time.perf_counter() - t0))
                 else:
-                    outs.append(out)
+                    outs.append((i, out))
+        outs = [o for _, o in sorted(outs, key=lambda x: x[0])]
         same = all(torch.equal(outs[0], o) for o in outs[1:])
         diff = "equal bit for bit" if same else "max rel. diff %.1e" % max(
             float(((o - outs[0]).abs() / outs[0].abs().clamp(min=1e-6)).max()) for o in outs[1:])
