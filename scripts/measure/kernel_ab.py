@@ -21,7 +21,6 @@ the first's bit for bit (or its largest relative difference).
 """
 
 import argparse
-import importlib.util
 import statistics
 import subprocess
 import time
@@ -51,16 +50,8 @@ def build_rev(rev: str):
         for f in files:
             if f.endswith((".cpp", ".h")):
                 (d / f).write_bytes(subprocess.check_output(["git", "-C", str(REPO), "show", f"{rev}:{KERNEL_DIR}/{f}"]))
-        from torch.utils.cpp_extension import load
-        load(name, [str(d / cpu_kernel.SOURCE.name)], extra_cflags=cpu_kernel.CFLAGS, build_directory=str(d))
-    return sha, load_module(name, so)
-
-
-def load_module(name: str, so: Path):
-    spec = importlib.util.spec_from_file_location(name, so)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+        cpu_kernel.compile_source(d / cpu_kernel.SOURCE.name, d, name)
+    return sha, cpu_kernel.load_extension(so, name)
 
 
 def score_case(args):

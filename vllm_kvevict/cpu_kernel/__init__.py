@@ -53,14 +53,28 @@ def _built() -> Path | None:
     return found[0] if found else None
 
 
+def compile_source(source: Path, directory: Path, name: str = NAME, verbose: bool = False) -> None:
+    """Compile `source` (and the headers beside it) into `directory` as
+    extension `name` with torch's tooling. A process can hold only one
+    extension of a name (scripts/measure/kernel_ab.py builds others)."""
+    from torch.utils.cpp_extension import load
+
+    directory.mkdir(parents=True, exist_ok=True)
+    load(name, [str(source)], extra_cflags=CFLAGS, build_directory=str(directory), verbose=verbose)
+
+
+def load_extension(so: Path, name: str = NAME):
+    """The extension module `name` from the built file `so`."""
+    spec = importlib.util.spec_from_file_location(name, so)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def build(verbose: bool = False):
     """Compile the kernel unless a matching build exists; returns the module."""
     if _built() is None:
-        from torch.utils.cpp_extension import load
-
-        d = build_dir()
-        d.mkdir(parents=True, exist_ok=True)
-        load(NAME, [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(d), verbose=verbose)
+        compile_source(SOURCE, build_dir(), verbose=verbose)
     module.cache_clear()
     return module()
 
@@ -69,12 +83,7 @@ def build(verbose: bool = False):
 def module():
     """The built extension, or None (nothing built for this source and torch)."""
     so = _built()
-    if so is None:
-        return None
-    spec = importlib.util.spec_from_file_location(NAME, so)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return None if so is None else load_extension(so)
 
 
 def isa() -> str | None:
