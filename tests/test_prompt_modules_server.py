@@ -132,19 +132,28 @@ class Health:
         return max(self.waits)
 
 
-def hostile(server, send, limit=5.0):
+def hostile(server, send, limit=5.0, undo=None):
     """`send()` with /health polled meanwhile: its response, which must come within
     `limit` seconds while /health never waits a second. A request the old code held
-    for minutes times out at 60 s (a test failure)."""
-    with Health(server) as health:
-        start = time.monotonic()
-        r = send()
-        took = time.monotonic() - start
-    print(f"{took:.2f} s (limit {limit:.2f}), /health worst {health.worst:.3f} s "
-          f"over {len(health.waits)} polls")
-    assert took < limit, took
-    assert health.worst < 1.0, health.waits
-    return r
+    for minutes times out at 60 s (a test failure).
+
+    A /health stall is measured twice before it fails: the stalls this guards
+    against (a cubic regex, a DTD expanded on the event loop) recur on every
+    try, while on a loaded 2-core CI machine one poll in forty once waited
+    1.3 s with the others at 10 ms. `undo()` (if given) runs between the tries."""
+    for attempt in (1, 2):
+        with Health(server) as health:
+            start = time.monotonic()
+            r = send()
+            took = time.monotonic() - start
+        print(f"try {attempt}: {took:.2f} s (limit {limit:.2f}), /health worst "
+              f"{health.worst:.3f} s over {len(health.waits)} polls")
+        assert took < limit, took
+        if health.worst < 1.0:
+            return r
+        if undo is not None:
+            undo()
+    raise AssertionError(f"/health stalled on both tries: {health.waits}")
 
 
 def timed(send):
@@ -173,7 +182,8 @@ def test_a_run_of_newlines_neither_stalls_nor_fails(server):
     try:
         words = timed(lambda: schema(WORDS))
         assert requests.delete(url, timeout=30).ok
-        r = hostile(server, lambda: schema(NEWLINES), limit=2 * words + 1)
+        r = hostile(server, lambda: schema(NEWLINES), limit=2 * words + 1,
+                    undo=lambda: requests.delete(url, timeout=30))
         assert r.status_code == 200, r.text
         words = timed(lambda: prompt(WORDS))
         r = hostile(server, lambda: prompt(NEWLINES), limit=2 * words + 1)
