@@ -57,18 +57,20 @@ def test_units_and_defaults():
     ({"kv_eviction": "h2o", "kv_budget": 0.2}, "0.1"),
     ({"kv_eviction": "h2o", "kv_budget": 0.2, "kv_recent": 0.05}, "0.05"),
     ({"kv_eviction": "snapkv", "kv_budget": 256}, "32"),  # the window
-    ({"kv_eviction": "andpro", "kv_budget": 72}, "20"),  # keeps 40: half of it
+    ({"kv_eviction": "andpro", "kv_budget": 64}, "16"),  # keeps 32: half of it
+    ({"kv_eviction": "h2o", "kv_budget": 72}, "32"),  # fills 3 blocks, keeps 2: 64
     ({"kv_eviction": "snapkv", "kv_budget": 0.2}, "min(32, 0.1)"),
     ({"kv_eviction": "streaming", "kv_budget": 96, "kv_recent": 16}, "60"),  # all but sinks
     ({"kv_eviction": "infinigen", "kv_budget": 0.2}, "0.2 - 4"),
 ])
 def test_recent_in_force_is_what_the_policy_keeps(raw, shown):
     """/metrics' info gauge shows the recent window in force, never None: under
-    a token budget, what a compaction keeps (a block below the budget)."""
+    a token budget, what a compaction keeps (the whole blocks below the
+    budget's last one)."""
     cfg = EvictionConfig.from_dict(raw)
     assert cfg.recent_in_force(32) == shown
     if isinstance(cfg.budget, int) and not isinstance(make_policy(cfg.policy), StreamingPolicy):
-        kept = cfg.budget - 32
+        kept = (cfg.budget - 1) // 32 * 32
         assert str(cfg.recent_tokens(kept, 1000)) == shown  # what plans carry
 
 

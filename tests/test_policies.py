@@ -72,19 +72,21 @@ def test_planner_decode_and_chunk_boundaries():
     whole = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 1.0})
     assert compaction_target(whole, 500, 500, False, 32) is None
     half = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 0.5})
-    assert compaction_target(half, 250, 500, False, 32) is None  # 251 <= ceil(501 / 2)
-    assert compaction_target(half, 251, 500, False, 32) == 251 - 32  # 252 > 251
+    # ceil(501 / 2) = 251 tokens need 8 blocks: the request may fill them (256).
+    assert compaction_target(half, 255, 500, False, 32) is None
+    assert compaction_target(half, 256, 500, False, 32) == 256 - 32
 
 
 @pytest.mark.parametrize("budget,target", [
     (32, 31),   # one block: one token of room, a compaction every step
     (40, 32),   # under two blocks: down to one whole block
-    (64, 32), (160, 128), (161, 129),  # a block of room
+    (64, 32), (160, 128),  # a block of room
+    (161, 160), (101, 96),  # the budget's last block filled, then a block of room
 ])
-def test_a_decoding_request_never_holds_more_than_its_budget(budget, target):
+def test_a_decoding_request_never_holds_more_than_its_budgets_blocks(budget, target):
     """Replays decode under the planner: the resident count after every step's
-    write stays within the budget (so within ceil(budget / 32) blocks), and
-    every compaction lands on `target`."""
+    write stays within the ceil(budget / 32) blocks the budget needs, and
+    every compaction lands on `target`, whole blocks below the last one."""
     cfg = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": budget})
     physical, landed = budget // 2, set()
     for logical in range(budget // 2, 4 * budget):
@@ -93,7 +95,7 @@ def test_a_decoding_request_never_holds_more_than_its_budget(budget, target):
             landed.add(new)
             physical = new
         physical += 1  # this step's token
-        assert physical <= budget, (logical, physical)
+        assert physical <= -(-budget // 32) * 32, (logical, physical)
     assert landed == {target}
 
 

@@ -92,14 +92,15 @@ def test_eviction_metrics_on_slash_metrics(server, reference_text):
 
 def test_per_request_budget_is_used(server):
     """A request's own kv_budget (vllm_xargs) evicts where the server's would not."""
-    # ~57 tokens: the server's budget (64) is never reached; 48 compacts at 48 resident
+    # ~57 tokens: the server's budget (64, two blocks) is never reached; 32 (one
+    # block) compacts at 32 resident. (A budget of 33-64 would fill two blocks too.)
     prompt, n = "Count from one to fifty:", 50
     before = server.metric("vllm_kvevict_tokens_evicted_total")
     r = server.complete(prompt, max_tokens=n, ignore_eos=True)
     assert r.status_code == 200
     wait_idle(server)
     assert server.metric("vllm_kvevict_tokens_evicted_total") == before
-    r = server.complete(prompt, max_tokens=n, ignore_eos=True, vllm_xargs={"kv_budget": 48})
+    r = server.complete(prompt, max_tokens=n, ignore_eos=True, vllm_xargs={"kv_budget": 32})
     assert r.status_code == 200, r.text
     wait_idle(server)
     assert server.metric("vllm_kvevict_tokens_evicted_total") > before

@@ -47,7 +47,7 @@ class EvictableAttentionSpec(FullAttentionSpec):
         return replace(super().merge(specs), eviction=specs[0].eviction)
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
-        """A request needs at most budget + one prefill chunk: it holds
+        """A request needs at most its budget's blocks + one prefill chunk: it holds
         its whole prompt only while the pool has room, and is compacted between
         chunks when not (planner.py), so a pool smaller than max_model_len can
         still serve max_model_len."""
@@ -58,7 +58,7 @@ class EvictableAttentionSpec(FullAttentionSpec):
 
 
 def admission_blocks(cfg: EvictionConfig, block_size: int, chunk: int) -> int | None:
-    """Blocks a request needs at most (budget + one chunk), or None
+    """Blocks a request needs at most (its budget's blocks + one chunk), or None
     where that is its whole length (fractional budgets; offload keeps prompts
     whole). Startup sizes the pool with it, and admission must use the same
     bound: vLLM's scheduler admits a request only when its whole sequence fits
@@ -66,7 +66,7 @@ def admission_blocks(cfg: EvictionConfig, block_size: int, chunk: int) -> int | 
     pool, which eviction would serve, waited forever."""
     if not cfg.enabled or not isinstance(cfg.budget, int) or cfg.offload:
         return None
-    return cdiv(cfg.budget + chunk, block_size)
+    return cdiv(cfg.block_cap(cfg.budget, block_size) + chunk, block_size)
 
 
 class EvictableAttentionManager(FullAttentionManager):

@@ -317,22 +317,31 @@ class EvictionConfig:
             return self.budget
         # A fraction never goes below two blocks: the cap then always leaves a
         # block of room (compaction_room), so a short request compacts once per
-        # block, not every step, and holds what the rule before the cap held at
-        # its one-block floor (32-63 tokens then, 32-64 now, at 32-token blocks).
+        # block, not every step, and holds 32-64 tokens at 32-token blocks.
         return max(2 * block_size, math.ceil(self.budget * length))
 
     @staticmethod
-    def compaction_room(budget: int, block_size: int) -> int:
-        """How far below the budget (a cap) a compaction goes: one block, so that
+    def block_cap(budget: int, block_size: int) -> int:
+        """Tokens the budget's blocks hold, ceil(budget / block_size) blocks of
+        block_size: what a request may fill before it compacts. The budget caps
+        blocks, not tokens: the slots of the budget's last block that a token
+        cap would leave empty hold kept tokens instead, at the same memory."""
+        return -(-budget // block_size) * block_size
+
+    @classmethod
+    def compaction_room(cls, budget: int, block_size: int) -> int:
+        """How far below the block cap a compaction goes: one block, so that
         the block it leaves free holds the next block_size tokens and compaction
-        runs once per block. A budget under two blocks leaves less (at one block,
-        one token: a compaction every step), so a compaction keeps at least one
-        block (planner.compaction_target)."""
-        return max(1, min(block_size, budget - block_size))
+        runs once per block. A one-block cap leaves one token (a compaction
+        every step)."""
+        cap = cls.block_cap(budget, block_size)
+        return block_size if cap >= 2 * block_size else 1
 
     def compaction_keep(self, budget: int, block_size: int) -> int:
-        """Tokens a compaction under `budget` keeps: the budget less its room."""
-        return budget - self.compaction_room(budget, block_size)
+        """Tokens a compaction under `budget` keeps: its block cap less the room,
+        i.e. the whole blocks below the budget's last one (budget 101 at 32-token
+        blocks: 96; budget 160: 128)."""
+        return self.block_cap(budget, block_size) - self.compaction_room(budget, block_size)
 
     def recent_tokens(self, budget: int, length: int) -> int:
         """Size of the always-kept recent window when a compaction keeps `budget`
