@@ -164,7 +164,7 @@ def write_report(rows: list[dict], out: str | Path, meta: dict | None = None) ->
         lines += [(f"Config `{meta.get('config')}`, {meta.get('date', '')}, "
                    f"{meta.get('cpus', '?')} CPUs, total {meta.get('wall_s', '?')} s. "
                    "Budgets are fractions of each request's current length (never below two "
-                   f"32-token blocks), a cap on what a request holds. Greedy, {'/'.join(dtypes)}, "
+                   f"32-token blocks), a cap on the KV blocks a request holds. Greedy, {'/'.join(dtypes)}, "
                    "chunked prefill. Wall times come from "
                    "a shared machine: compare them within one run only."), ""]
     for model in _models(rows):

@@ -312,11 +312,12 @@ TABLE: tuple[Flag, ...] = (
               "host pool and fetched back when a decode query is predicted to need it)."),
     Flag("kv_budget", "eviction", 1024, parse_number, request=True,
          help="Resident KV tokens per request: a token count (`256`) or a fraction of the "
-              "request's length (`0.2`, never below two KV blocks). It is a cap: a request "
-              "that reaches it is compacted a KV block below it, so it never holds more "
-              "than the budget's blocks and compacts once per block of new tokens."),
+              "request's length (`0.2`, never below two KV blocks). It caps blocks: a request "
+              "fills the KV blocks the budget needs, then is compacted to the whole blocks "
+              "below the last one (`101` at 32-token blocks: 128 resident at most, 96 kept), "
+              "so it compacts once per block of new tokens."),
     Flag("kv_recent", "eviction", None, _optional_number, request=True,
-         shown="half of what a compaction keeps (the budget less a block); for `snapkv` and "
+         shown="half of what a compaction keeps (the budget's blocks less one); for `snapkv` and "
                "`andpro`, the observation window",
          help="Recent window inside the budget (H2O's recent ratio), in the budget's unit."),
     Flag("kv_sink", "eviction", 4, _tokens,
