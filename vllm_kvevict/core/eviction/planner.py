@@ -51,13 +51,13 @@ def compaction_target(cfg: EvictionConfig, physical: int, logical: int,
         if room and (cfg.prefill_cap is None or physical <= cfg.prefill_cap):
             return None  # decide after the question: the prompt stays whole
         budget = cfg.budget_tokens(logical, block_size)
-        cap = cfg.block_cap(budget, block_size)
-        return cfg.compaction_keep(budget, block_size) if physical > cap else None
-    # Decode writes one token: afterwards the request may fill the block cap of
-    # its new length's budget (a fraction of 1.0 then never compacts).
-    budget = cfg.budget_tokens(logical + 1, block_size)
-    cap = cfg.block_cap(budget, block_size)
-    return cfg.compaction_keep(budget, block_size) if physical + 1 > cap else None
+    else:
+        # Decode writes one token: afterwards the request may fill the block cap
+        # of its new length's budget (a fraction of 1.0 then never compacts).
+        budget = cfg.budget_tokens(logical + 1, block_size)
+        physical += 1
+    over = physical > cfg.block_cap(budget, block_size)
+    return cfg.compaction_keep(budget, block_size) if over else None
 
 
 def never_compacts(cfg: EvictionConfig, prompt_len: int, max_tokens: int) -> bool:
@@ -69,5 +69,6 @@ def never_compacts(cfg: EvictionConfig, prompt_len: int, max_tokens: int) -> boo
 
 
 def max_blocks_per_request(budget: int, block_size: int) -> int:
-    """The most blocks a decoding request holds: ceil(budget / bs)."""
-    return -(-budget // block_size)
+    """The most blocks a decoding request holds: ceil(budget / bs), the blocks
+    of its block cap."""
+    return EvictionConfig.block_cap(budget, block_size) // block_size
