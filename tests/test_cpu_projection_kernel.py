@@ -155,13 +155,13 @@ def test_the_dispatcher_says_where_the_kernel_runs(monkeypatch):
     k = v = torch.zeros(1, 3, 100, 64, dtype=torch.bfloat16)
     monkeypatch.setenv("VLLM_KVEVICT_CPU_ISA", "auto")
     best = cpu_kernel.isa()
-    # auto: amx; avx2 only where torch's GEMMs lack AVX-512 too (both cases on
-    # every machine, the CPU's AVX-512 stubbed).
-    monkeypatch.setattr(kernel_dispatch, "_has_avx512", lambda: True)
+    # auto: amx where torch's GEMMs are full-width AVX-512 (Intel); every path
+    # where they are not (both cases on every machine, the answer stubbed).
+    monkeypatch.setattr(kernel_dispatch, "_torch_gemms_full_width", lambda: True)
     assert cpu_projection_isa(q, k, v) == (best if best == "amx" else None)
     assert cpu_projection_isa(q.float(), k.float(), v.float()) is None
-    monkeypatch.setattr(kernel_dispatch, "_has_avx512", lambda: False)
-    assert cpu_projection_isa(q, k, v) == (best if best in ("amx", "avx2") else None)
+    monkeypatch.setattr(kernel_dispatch, "_torch_gemms_full_width", lambda: False)
+    assert cpu_projection_isa(q, k, v) == best
     assert cpu_projection_isa(q.float(), k.float(), v.float()) == "avx2"
     assert cpu_projection_isa(q[..., :56], k[..., :56], v[..., :56]) is None  # D % 16
     assert cpu_projection_isa(q, k[:, :, :20], v[:, :, :20]) is None  # n < w

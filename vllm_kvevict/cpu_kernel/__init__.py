@@ -111,6 +111,15 @@ def cpu_flags() -> str:
     return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
 
 
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...), or "?"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read().split("vendor_id")[1].split("\n")[0].split(":")[1].strip()
+    except (OSError, IndexError):
+        return "?"
+
+
 def _queries(q: torch.Tensor, cache_dtype: torch.dtype, path_isa: str) -> torch.Tensor:
     if path_isa in ("amx", "avx512bf16"):
         return q.to(torch.bfloat16).contiguous()  # the dispatcher chose it for bf16 queries

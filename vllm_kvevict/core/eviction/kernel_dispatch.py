@@ -110,12 +110,14 @@ def cpu_projection_isa(queries: torch.Tensor, keys: torch.Tensor,
     or None: `window_scores.raw_scores_torch` runs.
 
     The kernel takes head sizes that are multiples of 16 and n >= w. By
-    default its amx path runs (AMX CPU, bf16 data, head size 32 or 64): it is
-    3-4x faster than torch float32 at the demo's shapes (2.9x at n 192), where
-    the avx512bf16 and avx2 paths are slower than torch's AVX-512 float32 GEMMs
-    on an AVX-512 CPU; and on a CPU without AVX-512, where torch's GEMMs are
-    AVX2 too, its avx2 path (1.2-1.5x faster than torch at n 272-1040 on an
-    AVX2-only EPYC; benchmarks/window_scores_cpu.py). VLLM_KVEVICT_CPU_ISA set
+    default it runs wherever it beats torch's float32 GEMMs at the demo's
+    shapes (benchmarks/window_scores_cpu.py, all 30 layers of a request, one
+    thread): its amx path on AMX (bf16 data, head size 32 or 64; 2.9-4.1x torch
+    at n 192-1040 on a Xeon); and every path on a CPU whose GEMMs are not
+    full-width AVX-512 (`_torch_gemms_full_width`): the avx512bf16 path 1.9-3.4x
+    torch at n 1040-192 on a Zen 4 EPYC, the avx2 path 1.2-1.5x on an AVX2-only
+    EPYC. On an Intel CPU with AVX-512 torch's GEMMs beat the avx512bf16 and
+    avx2 paths, so there torch runs unless AMX applies. VLLM_KVEVICT_CPU_ISA set
     to a path runs that path wherever the kernel can (tests force each)."""
     d = queries.shape[-1]
     if (values.shape != keys.shape or values.device != keys.device or d % 16
@@ -127,18 +129,24 @@ def cpu_projection_isa(queries: torch.Tensor, keys: torch.Tensor,
     if isa in ("amx", "avx512bf16") and values.dtype != torch.bfloat16:
         isa = "avx2"
     forced = os.environ.get("VLLM_KVEVICT_CPU_ISA", "auto").strip().lower() != "auto"
-    faster = (isa == "amx" and d in (32, 64)) or (isa == "avx2" and not _has_avx512())
+    faster = (isa == "amx" and d in (32, 64)) or not _torch_gemms_full_width()
     return isa if forced or faster else None
 
 
 @functools.lru_cache(maxsize=1)
-def _has_avx512() -> bool:
-    """Whether torch's float32 GEMMs here use AVX-512 (then only the amx path
-    beats them at AnDPro's window shapes)."""
+def _torch_gemms_full_width() -> bool:
+    """Whether torch's float32 GEMMs here run 512-bit FMAs at full rate: an
+    Intel CPU with AVX-512 (then only the amx path beats them at AnDPro's window
+    shapes). AMD's Zen 4 runs AVX-512 on 256-bit units, so its float32 GEMMs
+    peak where AVX2's do (MKL SGEMM 1024^3 at 86 GFLOP/s on one 2.6 GHz core:
+    32 flops a cycle), while vdpbf16ps does twice the multiply-adds of an FMA;
+    without AVX-512 the GEMMs are AVX2 like the kernel's avx2 path."""
     from vllm_kvevict import cpu_kernel
 
     flags = cpu_kernel.cpu_flags()
-    return flags == "?" or "avx512f" in flags.split()  # unknown: keep torch
+    if flags == "?":
+        return True  # unknown: keep torch
+    return "avx512f" in flags.split() and cpu_kernel.cpu_vendor() == "GenuineIntel"
 
 
 def cpu_token_mover(layout, cache: torch.Tensor):
