@@ -238,3 +238,24 @@ def test_bad_inputs_are_refused():
     if mod.supports("avx512bf16"):
         with pytest.raises(RuntimeError, match="takes bf16"):
             mod.window_projection_sums(q, k, k, 1.0, "avx512bf16")
+
+
+@pytest.mark.parametrize("vendor, flags, full_width", [
+    ("GenuineIntel", "fpu avx2 avx512f avx512_bf16 amx_bf16", True),  # Xeon: MKL beats avx512bf16
+    ("AuthenticAMD", "fpu avx2 avx512f avx512_bf16", False),  # Zen 4: 256-bit units
+    ("GenuineIntel", "fpu avx2 fma", False),  # AVX2 only: the avx2 path wins
+    (None, None, True),  # unreadable: keep torch
+])
+def test_torch_gemm_width_is_read_from_cpuinfo(vendor, flags, full_width, monkeypatch):
+    """`_torch_gemms_full_width` (which decides AnDPro's default path) from
+    /proc/cpuinfo texts of the CPUs it was measured on."""
+    text = None if vendor is None else (
+        f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: 25\nflags\t\t: {flags}\n\n"
+        f"processor\t: 1\nvendor_id\t: {vendor}\nflags\t\t: {flags}\n")
+    monkeypatch.setattr(cpu_kernel, "_cpuinfo", lambda: text)
+    kernel_dispatch._torch_gemms_full_width.cache_clear()
+    try:
+        assert cpu_kernel.cpu_vendor() == (vendor or "?")
+        assert kernel_dispatch._torch_gemms_full_width() is full_width
+    finally:
+        kernel_dispatch._torch_gemms_full_width.cache_clear()

@@ -101,23 +101,35 @@ def isa() -> str | None:
     return next((i for i in ISAS if mod.supports(i)), None)
 
 
-def cpu_flags() -> str:
-    """The CPU flags that decide the paths (for benchmark reports), or "?"."""
+def _cpuinfo() -> str | None:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read().split("flags")[1].split("\n")[0].split()
-    except (OSError, IndexError):
+            return f.read()
+    except OSError:
+        return None
+
+
+def _cpuinfo_field(name: str) -> str | None:
+    """The first CPU's `name : value` line of /proc/cpuinfo, or None."""
+    for line in (_cpuinfo() or "").splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == name:
+            return value.strip()
+    return None
+
+
+def cpu_flags() -> str:
+    """The CPU flags that decide the paths (for benchmark reports), or "?"."""
+    flags = _cpuinfo_field("flags")
+    if flags is None:
         return "?"
+    flags = flags.split()
     return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
 
 
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...), or "?"."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return f.read().split("vendor_id")[1].split("\n")[0].split(":")[1].strip()
-    except (OSError, IndexError):
-        return "?"
+    return _cpuinfo_field("vendor_id") or "?"
 
 
 def _queries(q: torch.Tensor, cache_dtype: torch.dtype, path_isa: str) -> torch.Tensor:
