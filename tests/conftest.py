@@ -85,9 +85,9 @@ def cpu_has_amx() -> bool:
     KVEVICT_AS_AVX2=1), which hides it from torch and vLLM."""
     if os.environ.get("KVEVICT_AS_AVX2") == "1":
         return False
-    with open("/proc/cpuinfo") as f:
-        flags = set(next(line for line in f if line.startswith("flags")).split(":")[1].split())
-    return {"amx_bf16", "amx_tile"} <= flags
+    from vllm_kvevict import cpu_kernel
+
+    return {"amx_bf16", "amx_tile"} <= set((cpu_kernel.cpuinfo_field("flags") or "").split())
 
 
 def kernel_isas() -> list:

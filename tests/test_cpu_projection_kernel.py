@@ -248,7 +248,8 @@ def test_bad_inputs_are_refused():
 ])
 def test_torch_gemm_width_is_read_from_cpuinfo(vendor, flags, full_width, monkeypatch):
     """`_torch_gemms_full_width` (which decides AnDPro's default path) from
-    /proc/cpuinfo texts of the CPUs it was measured on."""
+    /proc/cpuinfo texts: a Xeon and a Zen 4 EPYC (both measured), an AVX2-only
+    Intel CPU (the vendor alone does not make GEMMs full-width) and none."""
     text = None if vendor is None else (
         f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: 25\nflags\t\t: {flags}\n\n"
         f"processor\t: 1\nvendor_id\t: {vendor}\nflags\t\t: {flags}\n")

@@ -109,7 +109,7 @@ def _cpuinfo() -> str | None:
         return None
 
 
-def _cpuinfo_field(name: str) -> str | None:
+def cpuinfo_field(name: str) -> str | None:
     """The first CPU's `name : value` line of /proc/cpuinfo, or None."""
     for line in (_cpuinfo() or "").splitlines():
         key, sep, value = line.partition(":")
@@ -120,7 +120,7 @@ def _cpuinfo_field(name: str) -> str | None:
 
 def cpu_flags() -> str:
     """The CPU flags that decide the paths (for benchmark reports), or "?"."""
-    flags = _cpuinfo_field("flags")
+    flags = cpuinfo_field("flags")
     if flags is None:
         return "?"
     flags = flags.split()
@@ -129,7 +129,7 @@ def cpu_flags() -> str:
 
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...), or "?"."""
-    return _cpuinfo_field("vendor_id") or "?"
+    return cpuinfo_field("vendor_id") or "?"
 
 
 def _queries(q: torch.Tensor, cache_dtype: torch.dtype, path_isa: str) -> torch.Tensor:
