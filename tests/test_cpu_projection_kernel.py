@@ -13,6 +13,15 @@ precision table's AnDPro row):
   avx2             float32 throughout: <= 1e-6 measured, held to 3e-6 / 5e-6
 and after `finalize` the kept sets (top-k per (layer, head)) of the kernel and of
 torch overlap by at least the floors below.
+
+`split=False` (the default in serving, VLLM_KVEVICT_SCORE_PRECISION=model) is
+the papers' model-dtype contract on the avx512bf16 path: E and Y rounded to
+bf16 before their products. It is held to its own plain-torch reference
+(`_model_dtype`: the same roundings, everything else float64) at 3e-5 / 6e-5
+(measured <= 5.9e-6 / 1.5e-5 on a Zen 4: a 1-ulp exp may round E the other
+way), to the first-order bound of those roundings against float64
+(`_rounding_bound`, measured <= 0.18 of it), and to the same kept-set floor
+against torch float32 (measured >= 0.996). The amx and avx2 paths ignore it.
 """
 
 import pytest
@@ -36,16 +45,47 @@ def _torch_andpro(q, k, v, scale):
 def _float64(q, k, v, scale):
     """AnDPro written out in float64: a = causal softmax, y = a v,
     s_i = sum_{g,t} a[t, i] <y_t, v_i>."""
-    b, w, hq, d = q.shape
-    h, n = k.shape[1], k.shape[2]
-    qg = q.double().view(b, w, h, hq // h, d).permute(0, 2, 3, 1, 4)  # (b, h, g, w, d)
-    logits = torch.einsum("bhgtd,bhnd->bhgtn", qg, k.double()) * scale
-    t, i = torch.arange(w).view(w, 1), torch.arange(n).view(1, n)
-    logits = logits.masked_fill(i > n - w + t, float("-inf"))
-    a = logits.softmax(-1)
+    a = _causal_logits(q, k, scale).softmax(-1)
     y = torch.einsum("bhgtn,bhnd->bhgtd", a, v.double())
     z = torch.einsum("bhgtd,bhnd->bhgtn", y, v.double())
     return (a * z).sum(dim=(2, 3))
+
+
+def _causal_logits(q, k, scale):
+    """(b, h, g, w, n) float64 logits of the window, -inf past each query."""
+    b, w, hq, d = q.shape
+    h, n = k.shape[1], k.shape[2]
+    qg = q.double().view(b, w, h, hq // h, d).permute(0, 2, 3, 1, 4)
+    logits = torch.einsum("bhgtd,bhnd->bhgtn", qg, k.double()) * scale
+    t, i = torch.arange(w).view(w, 1), torch.arange(n).view(1, n)
+    return logits.masked_fill(i > n - w + t, float("-inf"))
+
+
+def _bf16(x):
+    return x.float().bfloat16().double()
+
+
+def _model_dtype(q, k, v, scale):
+    """AnDPro at the papers' precision, as `split=False` computes it: the exps
+    e = exp(l - max l) and the outputs y rounded to bf16 before they multiply
+    the values (round to nearest even), everything else float64;
+    a[t, i] <y_t, v_i> = e[t, i] <r_t^2 (E V)_t, v_i>, r_t = 1 / sum_i e[t, i]."""
+    logits = _causal_logits(q, k, scale)
+    e = (logits - logits.amax(-1, keepdim=True)).exp()
+    r = 1 / e.sum(-1, keepdim=True)
+    y = torch.einsum("bhgtn,bhnd->bhgtd", _bf16(e), v.double()) * r * r
+    z = torch.einsum("bhgtd,bhnd->bhgtn", _bf16(y), v.double())
+    return (e * z).sum(dim=(2, 3))
+
+
+def _rounding_bound(q, k, v, scale):
+    """sum_{g,t} a[t, i] <ybar_t, |v_i|>, ybar_t = sum_j a[t, j] |v_j|: rounding
+    each e (in y) and each y to bf16 moves s_i by at most 2^-9 of this, twice,
+    to first order."""
+    a = _causal_logits(q, k, scale).softmax(-1)
+    va = v.double().abs()
+    ybar = torch.einsum("bhgtn,bhnd->bhgtd", a, va)
+    return (a * torch.einsum("bhgtd,bhnd->bhgtn", ybar, va)).sum(dim=(2, 3))
 
 
 def _inputs(b, w, h, g, d, n, dtype, gen, real=False):
@@ -117,19 +157,56 @@ def test_real_looking_shapes_and_kept_sets(isa, n):
     dtypes = [torch.bfloat16] + ([torch.float32] if isa == "avx2" else [])
     for dtype in dtypes:
         q, k, v = _inputs(b, w, h, g, d, n, dtype, gen, real=True)
-        got = cpu_kernel.window_projection_sums(q, k, v, 0.125, isa)
         want = _torch_andpro(q, k, v, 0.125)
-        e_norm, e_max = _errors(got, want)
-        norm, mx = TOL[isa]
-        assert e_norm < norm and e_max < mx, (dtype, e_norm, e_max)
-        budget = max(w + 4, n // 4)
-        sel_got, sel_want = finalize(got, w), finalize(want, w)
-        for layer in range(b):
-            for head in range(h):
-                kept = set(sel_got[layer, head].topk(budget).indices.tolist())
-                ref = set(sel_want[layer, head].topk(budget).indices.tolist())
-                overlap = len(kept & ref) / budget
-                assert overlap >= _overlap_floor(budget), (dtype, layer, head, overlap)
+        for split in (True, False):  # float32-accurate, then the model dtype's
+            got = cpu_kernel.window_projection_sums(q, k, v, 0.125, isa, split=split)
+            if split:
+                e_norm, e_max = _errors(got, want)
+                norm, mx = TOL[isa]
+                assert e_norm < norm and e_max < mx, (dtype, e_norm, e_max)
+            budget = max(w + 4, n // 4)
+            sel_got, sel_want = finalize(got, w), finalize(want, w)
+            for layer in range(b):
+                for head in range(h):
+                    kept = set(sel_got[layer, head].topk(budget).indices.tolist())
+                    ref = set(sel_want[layer, head].topk(budget).indices.tolist())
+                    overlap = len(kept & ref) / budget
+                    assert overlap >= _overlap_floor(budget), (dtype, split, layer, head, overlap)
+
+
+MODEL_TOL = (3e-5, 6e-5)  # (norm, max) against _model_dtype
+
+
+@pytest.mark.parametrize("isa", [p for p in kernel_isas() if p.values[0] == "avx512bf16"])
+@pytest.mark.parametrize("real", [False, True], ids=["random", "heavy"])
+@pytest.mark.parametrize("shape", RANDOM_SHAPES, ids=lambda s: "b{}w{}h{}g{}d{}n{}".format(*s))
+def test_model_dtype_scores_match_their_reference_and_bound(isa, shape, real):
+    """split=False against `_model_dtype` (the same roundings, in float64);
+    against float64 itself within the roundings' bound; and rounded for real:
+    farther from float64 than the split scores."""
+    b, w, h, g, d, n = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    q, k, v = _inputs(b, w, h, g, d, n, torch.bfloat16, gen, real=real)
+    scale = d ** -0.5
+    got = cpu_kernel.window_projection_sums(q, k, v, scale, isa, split=False)
+    assert got.shape == (b, h, n) and got.isfinite().all()
+    e_norm, e_max = _errors(got, _model_dtype(q, k, v, scale))
+    assert e_norm < MODEL_TOL[0] and e_max < MODEL_TOL[1], (e_norm, e_max)
+    exact = _float64(q, k, v, scale)
+    slack = 1e-5 * float(exact.abs().max())  # the float32 sums
+    assert ((got.double() - exact).abs() <= 2 ** -8 * _rounding_bound(q, k, v, scale) + slack).all()
+    if n > 1:
+        split = cpu_kernel.window_projection_sums(q, k, v, scale, isa, split=True)
+        assert _errors(got, exact)[0] > 10 * _errors(split, exact)[0]
+
+
+@pytest.mark.parametrize("isa", [p for p in kernel_isas() if p.values[0] != "avx512bf16"])
+def test_split_changes_nothing_off_avx512bf16(isa):
+    """amx always splits, avx2 is float32: split=False gives the same bits."""
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = _inputs(2, 32, 3, 3, 64, 203, torch.bfloat16, gen, real=True)
+    assert torch.equal(cpu_kernel.window_projection_sums(q, k, v, 0.125, isa, split=False),
+                       cpu_kernel.window_projection_sums(q, k, v, 0.125, isa, split=True))
 
 
 @pytest.mark.parametrize("isa", kernel_isas())
@@ -192,7 +269,7 @@ def test_the_kernel_runs_where_the_dispatcher_sends_it(forced, monkeypatch):
         pytest.skip(f"the kernel does not run AnDPro by default on this CPU ({cpu_kernel.isa()})")
     calls = []
     real = mod.window_projection_sums
-    monkeypatch.setattr(mod, "window_projection_sums", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(mod, "window_projection_sums", lambda *a: calls.append(a[4]) or real(*a))
     got = cpu_kernel.window_projection_sums(q, k, v, 0.125, isa)
     assert calls == [isa] and isa == (forced if forced != "auto" else cpu_kernel.isa())
     e_norm, e_max = _errors(got, _torch_andpro(q, k, v, 0.125))
@@ -210,11 +287,19 @@ def test_window_scores_andpro_runs_the_kernel(monkeypatch):
         pytest.skip(f"the kernel does not run AnDPro by default on this CPU ({cpu_kernel.isa()})")
     calls = []
     real = mod.window_projection_sums
-    monkeypatch.setattr(mod, "window_projection_sums", lambda *a: calls.append(a[-1]) or real(*a))
-    got = window_scores.value_projection(q, k, v, 0.125)
-    assert calls == [isa]
-    e_norm, _ = _errors(got, _torch_andpro(q, k, v, 0.125))
-    assert e_norm < TOL[isa][0]
+    monkeypatch.setattr(mod, "window_projection_sums", lambda *a: calls.append(a[4:]) or real(*a))
+    monkeypatch.delenv("VLLM_KVEVICT_SCORE_PRECISION", raising=False)
+    default = window_scores.value_projection(q, k, v, 0.125)
+    monkeypatch.setenv("VLLM_KVEVICT_SCORE_PRECISION", "float32")
+    exact = window_scores.value_projection(q, k, v, 0.125)
+    assert calls == [(isa, False), (isa, True)]  # model dtype by default
+    want = _torch_andpro(q, k, v, 0.125)
+    assert _errors(exact, want)[0] < TOL[isa][0]
+    # the model dtype's rounding (2^-9) where it applies, measured <= 4.4e-4
+    assert _errors(default, want)[0] < (2e-3 if isa == "avx512bf16" else TOL[isa][0])
+    monkeypatch.setenv("VLLM_KVEVICT_SCORE_PRECISION", "fp16")
+    with pytest.raises(ValueError, match="VLLM_KVEVICT_SCORE_PRECISION"):
+        window_scores.value_projection(q, k, v, 0.125)
 
 
 def test_bad_inputs_are_refused():
@@ -260,3 +345,18 @@ def test_torch_gemm_width_is_read_from_cpuinfo(vendor, flags, full_width, monkey
         assert kernel_dispatch._torch_gemms_full_width() is full_width
     finally:
         kernel_dispatch._torch_gemms_full_width.cache_clear()
+
+
+def test_bad_precision_is_refused_where_the_worker_logs_its_path(monkeypatch, caplog):
+    """The worker logs the scoring path at startup (`log_cpu_path_once`): a bad
+    VLLM_KVEVICT_SCORE_PRECISION stops it there; a good one is in the line."""
+    monkeypatch.setenv("VLLM_KVEVICT_SCORE_PRECISION", "half")
+    kernel_dispatch.log_cpu_path_once.cache_clear()
+    with pytest.raises(ValueError, match="expected one of"):
+        kernel_dispatch.log_cpu_path_once()
+    monkeypatch.setenv("VLLM_KVEVICT_SCORE_PRECISION", "float32")
+    kernel_dispatch.log_cpu_path_once.cache_clear()
+    with caplog.at_level("INFO", logger="vllm.kvevict"):
+        kernel_dispatch.log_cpu_path_once()
+    kernel_dispatch.log_cpu_path_once.cache_clear()
+    assert "in float32 precision" in caplog.text

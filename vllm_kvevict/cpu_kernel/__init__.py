@@ -183,15 +183,18 @@ def window_column_sums(q: torch.Tensor, k: torch.Tensor, scale: float, path_isa:
 
 
 def window_projection_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                           path_isa: str) -> torch.Tensor:
+                           path_isa: str, split: bool = True) -> torch.Tensor:
     """AnDPro's raw window scores from dense tensors: (B, w, H_q, D), (B, H, n, D)
     x2 -> (B, H, n) float32, s_i = sum_{g,t} a[t, i] <y_t, v_i> with y = A V
     (as `core.scoring.window_scores.raw_scores_torch(..., projection=True)`; causal on
     the window's own last w columns). The bf16 paths (amx, avx512bf16) take bf16
     q, k, v; avx2 takes any one of bf16 / fp16 / float32, mixed dtypes are
-    widened to float32 here. Precision per path: window_projection.h."""
+    widened to float32 here. split: on avx512bf16, the exps E and outputs Y
+    carried as hi + lo bf16 pairs (float32-accurate); False rounds them to bf16
+    (the papers' model-dtype contract, 3 bf16 passes instead of 5). amx always
+    splits; avx2 is float32 either way. Precision per path: window_projection.h."""
     if path_isa not in ("amx", "avx512bf16") and not (
             q.dtype == k.dtype == v.dtype and q.dtype in (torch.bfloat16, torch.float16, torch.float32)):
         q, k, v = (x.to(torch.float32) for x in (q, k, v))
     return module().window_projection_sums(q.contiguous(), k.contiguous(), v.contiguous(),
-                                           float(scale), path_isa)
+                                           float(scale), path_isa, bool(split))

@@ -676,6 +676,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy_rows", &token_moves::copy_rows,
         "dsts[l][cells[i]] = srcs[l][i] for every pair l, one memcpy per row");
   m.def("window_projection_sums", &window_projection_sums,
-        "AnDPro's window scores: sum over the window of a[t, i] * <y_t, v_i>, y = A V");
+        "AnDPro's window scores: sum over the window of a[t, i] * <y_t, v_i>, y = A V",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("isa"),
+        py::arg("split") = true);
   m.def("supports", &supports, "whether this CPU runs the named path (avx512bf16 | avx2)");
 }

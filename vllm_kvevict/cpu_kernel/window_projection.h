@@ -37,6 +37,12 @@
 //        float32. Nothing is rounded to the model dtype: the only departure
 //        from float32 is the 2^-16 representation of E and Y in steps 3-4
 //        (float32 holds them to 2^-24).
+//     With split false (avx512bf16 only; the caller's default, the papers'
+//     model-dtype contract): E and Y are e_hi and y_hi alone, i.e. rounded to
+//     bf16 (2^-9 relative) before steps 3 and 4; products still exact and
+//     accumulated in float32, the exps, 1/sum, e * z and sums float32. Three
+//     bf16 passes instead of five; |s - s_exact| <= 2^-8 sum_t a[t, i]
+//     <ybar_t, |v_i|> (ybar_t = sum_j a[t, j] |v_j|) to first order.
 //   avx2  (any of bf16 / fp16 / fp32, one dtype) every input widened to
 //        float32 (exact) and float32 FMA throughout: float32 like the torch
 //        path (A normalised before Y = A V).
@@ -49,6 +55,7 @@ struct ProjTask {
   const uint16_t *q, *k, *v;  // bf16 bits: (B, w, H_q, D), (B, H, n, D) x2, contiguous
   int64_t w, hq, h, g, n, d;
   float scale;
+  bool split;  // E and Y as bf16 hi + lo (float32-accurate), or hi alone (model dtype)
 };
 
 constexpr int64_t PROJ_ROWS = 16;  // query rows per block (one AMX tile's rows)
@@ -152,7 +159,7 @@ void split_bf16(const float* x, int64_t m, uint16_t* hi, uint16_t* lo) {
 
 // One row of raw logits over [0, vis) -> e = exp(scale * (l - max l)) in
 // place, [vis, end) set to zero (end a multiple of 16), and e as hi + lo bf16
-// (split_bf16) over [0, end); returns 1 / sum e. The softmax is e / sum e: the
+// (split_bf16) over [0, end), lo only where given; returns 1 / sum e. The softmax is e / sum e: the
 // caller folds the 1 / sum into Y (see proj_*), which saves a pass over the row.
 float exp_row_512(float* row, int64_t vis, int64_t end, float scale, uint16_t* hi, uint16_t* lo) {
   const float c = scale * 1.44269504088896341f;  // exp(scale * x) = 2^(c * x)
@@ -185,7 +192,8 @@ float exp_row_512(float* row, int64_t vis, int64_t end, float scale, uint16_t* h
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(e);
     const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     _mm256_storeu_si256((__m256i*)(hi + i), h);
-    _mm256_storeu_si256((__m256i*)(lo + i), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(e, hf)));
+    if (lo != nullptr)
+      _mm256_storeu_si256((__m256i*)(lo + i), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(e, hf)));
   }
   return 1.0f / _mm512_reduce_add_ps(s);
 }
@@ -212,7 +220,7 @@ inline void add_products_512(const float* a, int64_t lda, const float* z, int64_
 
 // Y rows j0..j0+3, dims [dc0 * 16, (dc0 + NDC) * 16): sum over token pairs p <
 // np of (a_hi + a_lo)[j, 2p..2p+1] . V[2p..2p+1, dims] (vdpbf16ps).
-template <int NDC>
+template <int NDC, bool LO>
 inline void av_bf16(const int32_t* ahi, const int32_t* alo, int64_t lda32, const uint16_t* vp,
                     int64_t nd, int64_t dc0, int64_t np, float* y, int64_t d) {
   __m512 acc[4][NDC];
@@ -224,8 +232,11 @@ inline void av_bf16(const int32_t* ahi, const int32_t* alo, int64_t lda32, const
     for (int c = 0; c < NDC; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(base + c * 512);
     for (int j = 0; j < 4; ++j) {
       const __m512bh h = (__m512bh)_mm512_set1_epi32(ahi[j * lda32 + p]);
-      const __m512bh l = (__m512bh)_mm512_set1_epi32(alo[j * lda32 + p]);
-      for (int c = 0; c < NDC; ++c) acc[j][c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[j][c], h, vv[c]), l, vv[c]);
+      for (int c = 0; c < NDC; ++c) acc[j][c] = _mm512_dpbf16_ps(acc[j][c], h, vv[c]);
+      if (LO) {
+        const __m512bh l = (__m512bh)_mm512_set1_epi32(alo[j * lda32 + p]);
+        for (int c = 0; c < NDC; ++c) acc[j][c] = _mm512_dpbf16_ps(acc[j][c], l, vv[c]);
+      }
     }
   }
   for (int j = 0; j < 4; ++j)
@@ -273,13 +284,31 @@ inline void block_softmax(const ProjTask& p, ProjBuffers& b, const int64_t* vis,
     float* row = b.a.data() + j * b.n32;
     uint16_t *hi = b.ahi.data() + j * b.n32, *lo = b.alo.data() + j * b.n32;
     if (j < nb) {
-      inv[j] = exp_row_512(row, vis[j], e32, p.scale, hi, lo);
+      inv[j] = exp_row_512(row, vis[j], e32, p.scale, hi, p.split ? lo : nullptr);
     } else {
       std::fill(row, row + e32, 0.0f);
       std::fill(hi, hi + e32, 0);
-      std::fill(lo, lo + e32, 0);
+      if (p.split) std::fill(lo, lo + e32, 0);
     }
   }
+}
+
+// Y = E V for the block's rows (step 3), E as bf16 hi (+ lo where LO).
+template <bool LO>
+void y_from_e(ProjBuffers& b, int64_t nb, int64_t nd, int64_t e32, int64_t d) {
+  const int32_t* ahi = reinterpret_cast<const int32_t*>(b.ahi.data());
+  const int32_t* alo = reinterpret_cast<const int32_t*>(b.alo.data());
+  for (int64_t j0 = 0; j0 < nb; j0 += 4)
+    for (int64_t dc = 0; dc < nd; dc += 4) {
+      const int32_t *h32 = ahi + j0 * b.n32 / 2, *l32 = alo + j0 * b.n32 / 2;
+      float* y = b.y.data() + j0 * d;
+      switch (std::min<int64_t>(4, nd - dc)) {
+        case 1: av_bf16<1, LO>(h32, l32, b.n32 / 2, b.vpairs.data(), nd, dc, e32 / 2, y, d); break;
+        case 2: av_bf16<2, LO>(h32, l32, b.n32 / 2, b.vpairs.data(), nd, dc, e32 / 2, y, d); break;
+        case 3: av_bf16<3, LO>(h32, l32, b.n32 / 2, b.vpairs.data(), nd, dc, e32 / 2, y, d); break;
+        default: av_bf16<4, LO>(h32, l32, b.n32 / 2, b.vpairs.data(), nd, dc, e32 / 2, y, d); break;
+      }
+    }
 }
 
 void proj_bf16(const ProjTask& p, int64_t bh, int64_t split, int64_t splits, float* col, ProjBuffers& b) {
@@ -303,19 +332,8 @@ void proj_bf16(const ProjTask& p, int64_t bh, int64_t split, int64_t splits, flo
     }
     block_softmax(p, b, vis, nb, e32, inv);  // 2.
     std::fill(b.y.data(), b.y.data() + PROJ_ROWS * d, 0.0f);  // 3. Y = E V
-    const int32_t* ahi = reinterpret_cast<const int32_t*>(b.ahi.data());
-    const int32_t* alo = reinterpret_cast<const int32_t*>(b.alo.data());
-    for (int64_t j0 = 0; j0 < nb; j0 += 4)
-      for (int64_t dc = 0; dc < nd; dc += 4) {
-        const int32_t *h32 = ahi + j0 * b.n32 / 2, *l32 = alo + j0 * b.n32 / 2;
-        float* y = b.y.data() + j0 * d;
-        switch (std::min<int64_t>(4, nd - dc)) {
-          case 1: av_bf16<1>(h32, l32, b.n32 / 2, b.vpairs.data(), nd, dc, e32 / 2, y, d); break;
-          case 2: av_bf16<2>(h32, l32, b.n32 / 2, b.vpairs.data(), nd, dc, e32 / 2, y, d); break;
-          case 3: av_bf16<3>(h32, l32, b.n32 / 2, b.vpairs.data(), nd, dc, e32 / 2, y, d); break;
-          default: av_bf16<4>(h32, l32, b.n32 / 2, b.vpairs.data(), nd, dc, e32 / 2, y, d); break;
-        }
-      }
+    if (p.split) y_from_e<true>(b, nb, nd, e32, d);
+    else y_from_e<false>(b, nb, nd, e32, d);
     scale_rows_512(b.y.data(), inv, nb, d);  // a * <y, v> = e * <inv^2 E V, v>
     split_bf16(b.y.data(), PROJ_ROWS * d, b.yhi.data(), b.ylo.data());
     const int32_t* yh = reinterpret_cast<const int32_t*>(b.yhi.data());
@@ -323,8 +341,9 @@ void proj_bf16(const ProjTask& p, int64_t bh, int64_t split, int64_t splits, flo
     for (int64_t c = 0; c < nc; c += 2) {  // 4. Z tiles and the products
       const int64_t nc2 = std::min<int64_t>(2, nc - c);
       for (int64_t half = 0; half < nb; half += ROWS) {
-        if (nc2 == 2) dot_bf16<2>(b.vkeys.data() + c * 16 * d, yh + half * hp, hp, b.z.data() + half * 32, 32, yl + half * hp);
-        else dot_bf16<1>(b.vkeys.data() + c * 16 * d, yh + half * hp, hp, b.z.data() + half * 32, 32, yl + half * hp);
+        const int32_t* lo = p.split ? yl + half * hp : nullptr;
+        if (nc2 == 2) dot_bf16<2>(b.vkeys.data() + c * 16 * d, yh + half * hp, hp, b.z.data() + half * 32, 32, lo);
+        else dot_bf16<1>(b.vkeys.data() + c * 16 * d, yh + half * hp, hp, b.z.data() + half * 32, 32, lo);
       }
       add_products_512(b.a.data() + c * 16, b.n32, b.z.data(), 32, nb, nc2 * 16, col + c * 16);
     }
@@ -509,7 +528,7 @@ void proj_f32(const ProjTaskF& p, int64_t bh, int64_t split, int64_t splits, flo
 // AnDPro raw scores (see the top of this file). The bf16 paths take bf16
 // tensors; avx2 takes bf16, fp16 or float32, all three of one dtype.
 at::Tensor window_projection_sums(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  double scale, const std::string& isa) {
+                                  double scale, const std::string& isa, bool split) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(), "q (B, w, H_q, D), k and v (B, H, n, D)");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "contiguous q, k, v");
@@ -532,7 +551,9 @@ at::Tensor window_projection_sums(const at::Tensor& q, const at::Tensor& k, cons
   at::Tensor out = at::zeros({splits, pairs, n}, at::TensorOptions().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   const int64_t ncol = round_up(n, 32);
-  ProjTask pb{nullptr, nullptr, nullptr, w, hq, h, g, n, d, static_cast<float>(scale)};
+  // amx always splits: its tiles have room for both halves (and it is not
+  // measured without).
+  ProjTask pb{nullptr, nullptr, nullptr, w, hq, h, g, n, d, static_cast<float>(scale), split || amx};
   ProjTaskF pf{q.data_ptr(), k.data_ptr(), v.data_ptr(), w, hq, h, g, n, d, static_cast<float>(scale)};
   if (bf16) {
     pb.q = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());

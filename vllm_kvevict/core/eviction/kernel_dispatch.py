@@ -71,9 +71,13 @@ def cpu_path() -> str:
 
 @functools.lru_cache(maxsize=None)
 def log_cpu_path_once() -> None:
-    """Log `cpu_path()` once per process (the worker calls this at startup);
-    under vLLM's "vllm" logger, so it prints with vLLM's own lines."""
-    logging.getLogger("vllm.kvevict").info("vllm_kvevict scoring on CPU tensors: %s", cpu_path())
+    """Log `cpu_path()` and `projection_precision()` once per process (the
+    worker calls this at startup, so a bad VLLM_KVEVICT_SCORE_PRECISION stops
+    it there, not at its first compaction); under vLLM's "vllm" logger, so it
+    prints with vLLM's own lines."""
+    logging.getLogger("vllm.kvevict").info(
+        "vllm_kvevict scoring on CPU tensors: %s; AnDPro's bf16 projection in %s precision "
+        "(VLLM_KVEVICT_SCORE_PRECISION)", cpu_path(), projection_precision())
 
 
 def cpu_kernel_isa(queries: torch.Tensor, keys: torch.Tensor, layout=None) -> str | None:
@@ -131,6 +135,29 @@ def cpu_projection_isa(queries: torch.Tensor, keys: torch.Tensor,
     forced = os.environ.get("VLLM_KVEVICT_CPU_ISA", "auto").strip().lower() != "auto"
     faster = (isa == "amx" and d in (32, 64)) or not _torch_gemms_full_width()
     return isa if forced or faster else None
+
+
+PRECISIONS = ("model", "float32")
+
+
+def projection_precision() -> str:
+    """What AnDPro's window scores on the bf16 kernel path (avx512bf16) carry
+    between their products, from VLLM_KVEVICT_SCORE_PRECISION:
+
+      model    (default) the papers' contract: the exps E and the outputs Y are
+               rounded to bf16 (the model dtype) before E V and Y V^T; every
+               product is still exact and accumulated in float32, the softmax,
+               e * z and the sums float32. Three bf16 GEMM passes, not five.
+      float32  E and Y as hi + lo bf16 pairs (2^-16 relative): float32-accurate
+               scores, as the torch, avx2 and amx paths always give.
+
+    The amx path always splits (its tiles have room for both halves); the
+    other paths are float32 whatever this says (docs/design.md, the precision
+    table)."""
+    value = os.environ.get("VLLM_KVEVICT_SCORE_PRECISION", "model").strip().lower()
+    if value not in PRECISIONS:
+        raise ValueError(f"VLLM_KVEVICT_SCORE_PRECISION={value!r}: expected one of {PRECISIONS}")
+    return value
 
 
 @functools.lru_cache(maxsize=1)

@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from vllm_kvevict.core.eviction.kernel_dispatch import (cpu_kernel_isa, cpu_projection_isa,
-                                                        triton_module, use_triton)
+                                                        projection_precision, triton_module,
+                                                        use_triton)
 
 POOL_KERNEL = 7  # AnDPro appendix B.3 (and SnapKV's kernel for max pooling)
 CHUNK = 4  # AnDPro section 3.4 / Algorithm 1 chunk size
@@ -88,7 +89,9 @@ def value_projection(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """(B, H, n) float32 AnDPro raw scores: sum_{g,t} a[t, i] <y_t, v_i>. The
     Triton kernel where `kernel_dispatch` picks it (CUDA), the compiled CPU
-    kernel where it picks that (`cpu_projection_isa`: AMX, bf16), else torch."""
+    kernel where it picks that (`cpu_projection_isa`: AMX, bf16), else torch.
+    On the kernel's avx512bf16 path, `projection_precision()` says whether E
+    and Y are rounded to bf16 (model, the default) or carried as float32."""
     if use_triton(q):
         return triton_module("window").window_raw_scores(q.to(k.dtype), k, v, scale,
                                                          projection=True)
@@ -96,7 +99,8 @@ def value_projection(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if isa is not None:
         from vllm_kvevict import cpu_kernel
 
-        return cpu_kernel.window_projection_sums(q, k, v, scale, isa)
+        return cpu_kernel.window_projection_sums(q, k, v, scale, isa,
+                                                 split=projection_precision() == "float32")
     return raw_scores_torch(q, k, v, scale, projection=True)
 
 
