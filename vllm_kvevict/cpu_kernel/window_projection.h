@@ -143,24 +143,24 @@ void pack_value_pairs(const uint16_t* src, int64_t n, int64_t n32, int64_t d, ui
   }
 }
 
-// x[0, m) (m a multiple of 16) as hi = bf16(x), lo = bf16(x - hi), both round
-// to nearest even: hi + lo = x to 2^-16 relative (vcvtneps2bf16 flushes
+// x[0, m) (m a multiple of 16) as hi = bf16(x), lo = bf16(x - hi) (lo only
+// where given), both round to nearest even: hi + lo = x to 2^-16 relative (vcvtneps2bf16 flushes
 // values under 2^-126 to zero, which no score can tell from zero).
 void split_bf16(const float* x, int64_t m, uint16_t* hi, uint16_t* lo) {
   for (int64_t i = 0; i < m; i += 16) {
     const __m512 v = _mm512_loadu_ps(x + i);
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
     const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hf));
     _mm256_storeu_si256((__m256i*)(hi + i), h);
-    _mm256_storeu_si256((__m256i*)(lo + i), l);
+    if (lo != nullptr) _mm256_storeu_si256((__m256i*)(lo + i), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hf)));
   }
 }
 
 // One row of raw logits over [0, vis) -> e = exp(scale * (l - max l)) in
 // place, [vis, end) set to zero (end a multiple of 16), and e as hi + lo bf16
-// (split_bf16) over [0, end), lo only where given; returns 1 / sum e. The softmax is e / sum e: the
-// caller folds the 1 / sum into Y (see proj_*), which saves a pass over the row.
+// (split_bf16) over [0, end), lo only where given; returns 1 / sum e. The
+// softmax is e / sum e: the caller folds the 1 / sum into Y (see proj_*),
+// which saves a pass over the row.
 float exp_row_512(float* row, int64_t vis, int64_t end, float scale, uint16_t* hi, uint16_t* lo) {
   const float c = scale * 1.44269504088896341f;  // exp(scale * x) = 2^(c * x)
   const __m512 vc = _mm512_set1_ps(c);
@@ -335,7 +335,7 @@ void proj_bf16(const ProjTask& p, int64_t bh, int64_t split, int64_t splits, flo
     if (p.split) y_from_e<true>(b, nb, nd, e32, d);
     else y_from_e<false>(b, nb, nd, e32, d);
     scale_rows_512(b.y.data(), inv, nb, d);  // a * <y, v> = e * <inv^2 E V, v>
-    split_bf16(b.y.data(), PROJ_ROWS * d, b.yhi.data(), b.ylo.data());
+    split_bf16(b.y.data(), PROJ_ROWS * d, b.yhi.data(), p.split ? b.ylo.data() : nullptr);
     const int32_t* yh = reinterpret_cast<const int32_t*>(b.yhi.data());
     const int32_t* yl = reinterpret_cast<const int32_t*>(b.ylo.data());
     for (int64_t c = 0; c < nc; c += 2) {  // 4. Z tiles and the products
