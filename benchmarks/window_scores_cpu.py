@@ -10,7 +10,10 @@ torch path widens them itself), n resident tokens. One core:
 
 Each cell: the median of --reps calls after one warm-up, ms (x torch: torch's
 ms / the kernel's), torch and each path taking turns in every repetition;
-paths the CPU lacks are left out. torch.set_num_threads(1).
+paths the CPU lacks are left out. AnDPro's avx512bf16 column is the default,
+model-dtype precision (E and Y rounded to bf16), "avx512bf16 split" its
+float32-accurate variant (VLLM_KVEVICT_SCORE_PRECISION=float32); amx always
+splits. torch.set_num_threads(1).
 """
 from __future__ import annotations
 
@@ -59,10 +62,16 @@ def main(argv=None) -> int:
     mod = cpu_kernel.module()
     if mod is None:
         raise SystemExit(cpu_path())
-    paths = [i for i in cpu_kernel.ISAS if mod.supports(i)]
-    kernels = {"andpro": lambda q, k, v, s, i: cpu_kernel.window_projection_sums(q, k, v, s, i),
-               "snapkv": lambda q, k, v, s, i: cpu_kernel.window_column_sums(q, k, s, i)}
-    cols = ["scores", "n", "torch fp32 ms", *(f"{i} ms (x torch)" for i in paths)]
+    # (column, isa, split): avx512bf16's AnDPro projection by default rounds E
+    # and Y to bf16 (split False); its float32-accurate split is a column too.
+    paths = [(i, i, i == "amx") for i in cpu_kernel.ISAS if mod.supports(i)]
+    if mod.supports("avx512bf16"):
+        paths.insert(paths.index(("avx512bf16", "avx512bf16", False)) + 1,
+                     ("avx512bf16 split", "avx512bf16", True))
+    kernels = {"andpro": lambda q, k, v, s, i, split: cpu_kernel.window_projection_sums(
+                   q, k, v, s, i, split=split),
+               "snapkv": lambda q, k, v, s, i, split: cpu_kernel.window_column_sums(q, k, s, i)}
+    cols = ["scores", "n", "torch fp32 ms", *(f"{c} ms (x torch)" for c, _, _ in paths)]
     lines = ["| " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * (len(cols) - 2)]
     gen = torch.Generator().manual_seed(0)
     for n in args.n:
@@ -72,10 +81,11 @@ def main(argv=None) -> int:
         for kind in ("andpro", "snapkv"):
             ref = torch_scores(kind, raw_scores_torch)
             fns = {"torch": lambda: ref(q, k, v, D ** -0.5)}
-            for isa in paths:
-                fns[isa] = lambda isa=isa: kernels[kind](q, k, v, D ** -0.5, isa)
+            for col, isa, split in paths:
+                if kind == "andpro" or col == isa:  # snapkv has no split
+                    fns[col] = lambda isa=isa, split=split: kernels[kind](q, k, v, D ** -0.5, isa, split)
             ms = median_ms(fns, args.reps)
-            cells = [f"{ms[isa]:.2f} ({ms['torch'] / ms[isa]:.1f}x)" for isa in paths]
+            cells = [f"{ms[c]:.2f} ({ms['torch'] / ms[c]:.1f}x)" if c in ms else "" for c, _, _ in paths]
             lines.append(f"| {kind} | {n} | {ms['torch']:.2f} | " + " | ".join(cells) + " |")
             print(lines[-1], file=sys.stderr, flush=True)
     head = [f"command: `{' '.join(['taskset -c ' + ','.join(map(str, sorted(os.sched_getaffinity(0)))), os.path.relpath(sys.executable)] + sys.argv)}`  ",
