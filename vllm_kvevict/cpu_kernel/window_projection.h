@@ -144,8 +144,9 @@ void pack_value_pairs(const uint16_t* src, int64_t n, int64_t n32, int64_t d, ui
 }
 
 // x[0, m) (m a multiple of 16) as hi = bf16(x), lo = bf16(x - hi) (lo only
-// where given), both round to nearest even: hi + lo = x to 2^-16 relative (vcvtneps2bf16 flushes
-// values under 2^-126 to zero, which no score can tell from zero).
+// where given), both round to nearest even: hi + lo = x to 2^-16 relative
+// (vcvtneps2bf16 flushes values under 2^-126 to zero, which no score can tell
+// from zero).
 void split_bf16(const float* x, int64_t m, uint16_t* hi, uint16_t* lo) {
   for (int64_t i = 0; i < m; i += 16) {
     const __m512 v = _mm512_loadu_ps(x + i);
@@ -219,7 +220,8 @@ inline void add_products_512(const float* a, int64_t lda, const float* z, int64_
 }
 
 // Y rows j0..j0+3, dims [dc0 * 16, (dc0 + NDC) * 16): sum over token pairs p <
-// np of (a_hi + a_lo)[j, 2p..2p+1] . V[2p..2p+1, dims] (vdpbf16ps).
+// np of (a_hi + a_lo)[j, 2p..2p+1] . V[2p..2p+1, dims] (vdpbf16ps); a_hi
+// alone unless LO.
 template <int NDC, bool LO>
 inline void av_bf16(const int32_t* ahi, const int32_t* alo, int64_t lda32, const uint16_t* vp,
                     int64_t nd, int64_t dc0, int64_t np, float* y, int64_t d) {
