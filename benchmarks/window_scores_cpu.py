@@ -62,12 +62,15 @@ def main(argv=None) -> int:
     mod = cpu_kernel.module()
     if mod is None:
         raise SystemExit(cpu_path())
-    # (column, isa, split): avx512bf16's AnDPro projection by default rounds E
-    # and Y to bf16 (split False); its float32-accurate split is a column too.
-    paths = [(i, i, i == "amx") for i in cpu_kernel.ISAS if mod.supports(i)]
-    if mod.supports("avx512bf16"):
-        paths.insert(paths.index(("avx512bf16", "avx512bf16", False)) + 1,
-                     ("avx512bf16 split", "avx512bf16", True))
+    # (column, isa, split): each path as it runs by default (split False: on
+    # avx512bf16 AnDPro's E and Y rounded to bf16; amx splits regardless), and
+    # avx512bf16's float32-accurate split beside it.
+    paths = []
+    for i in cpu_kernel.ISAS:
+        if mod.supports(i):
+            paths.append((i, i, False))
+            if i == "avx512bf16":
+                paths.append(("avx512bf16 split", i, True))
     kernels = {"andpro": lambda q, k, v, s, i, split: cpu_kernel.window_projection_sums(
                    q, k, v, s, i, split=split),
                "snapkv": lambda q, k, v, s, i, split: cpu_kernel.window_column_sums(q, k, s, i)}

@@ -26,14 +26,20 @@ import os
 
 import torch
 
-MODES = ("auto", "triton", "torch")
+MODES = ("auto", "triton", "torch")  # the first is the default
+
+
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """Environment variable `name`, one of `choices` (the first is the
+    default), case and spaces ignored; anything else raises ValueError."""
+    value = os.environ.get(name, choices[0]).strip().lower()
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {choices}")
+    return value
 
 
 def mode() -> str:
-    value = os.environ.get("VLLM_KVEVICT_KERNELS", "auto").strip().lower()
-    if value not in MODES:
-        raise ValueError(f"VLLM_KVEVICT_KERNELS={value!r}: expected one of {MODES}")
-    return value
+    return env_choice("VLLM_KVEVICT_KERNELS", MODES)
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,7 +143,7 @@ def cpu_projection_isa(queries: torch.Tensor, keys: torch.Tensor,
     return isa if forced or faster else None
 
 
-PRECISIONS = ("model", "float32")
+PRECISIONS = ("model", "float32")  # the first is the default
 
 
 def projection_precision() -> str:
@@ -154,10 +160,7 @@ def projection_precision() -> str:
     The amx path always splits (its tiles have room for both halves); the
     other paths are float32 whatever this says (docs/design.md, the precision
     table)."""
-    value = os.environ.get("VLLM_KVEVICT_SCORE_PRECISION", "model").strip().lower()
-    if value not in PRECISIONS:
-        raise ValueError(f"VLLM_KVEVICT_SCORE_PRECISION={value!r}: expected one of {PRECISIONS}")
-    return value
+    return env_choice("VLLM_KVEVICT_SCORE_PRECISION", PRECISIONS)
 
 
 @functools.lru_cache(maxsize=1)
