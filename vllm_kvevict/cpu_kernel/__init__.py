@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from vllm_kvevict.core.config.env import env_choice
+
 NAME = "vllm_kvevict_cpu_scores"
 SOURCE = Path(__file__).with_name("column_sums.cpp")
 HEADERS = [Path(__file__).with_name(h) for h in ("token_moves.h", "window_projection.h")]  # included by SOURCE
@@ -86,14 +88,18 @@ def module():
     return None if so is None else load_extension(so)
 
 
+def forced_isa() -> str:
+    """VLLM_KVEVICT_CPU_ISA: auto (the default: the best path the CPU has) or
+    one of ISAS; anything else raises ValueError."""
+    return env_choice("VLLM_KVEVICT_CPU_ISA", ("auto", *ISAS))
+
+
 def isa() -> str | None:
     """The instruction path this process runs, or None (no kernel / no path)."""
     mod = module()
     if mod is None:
         return None
-    forced = os.environ.get("VLLM_KVEVICT_CPU_ISA", "auto").strip().lower()
-    if forced not in ("auto", *ISAS):
-        raise ValueError(f"VLLM_KVEVICT_CPU_ISA={forced!r}: expected auto or one of {ISAS}")
+    forced = forced_isa()
     if forced != "auto":
         if not mod.supports(forced):
             raise RuntimeError(f"VLLM_KVEVICT_CPU_ISA={forced}: this CPU lacks it")

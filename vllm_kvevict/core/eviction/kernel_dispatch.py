@@ -22,20 +22,12 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import os
 
 import torch
 
+from vllm_kvevict.core.config.env import env_choice
+
 MODES = ("auto", "triton", "torch")  # the first is the default
-
-
-def env_choice(name: str, choices: tuple[str, ...]) -> str:
-    """Environment variable `name`, one of `choices` (the first is the
-    default), case and spaces ignored; anything else raises ValueError."""
-    value = os.environ.get(name, choices[0]).strip().lower()
-    if value not in choices:
-        raise ValueError(f"{name}={value!r}: expected one of {choices}")
-    return value
 
 
 def mode() -> str:
@@ -138,7 +130,9 @@ def cpu_projection_isa(queries: torch.Tensor, keys: torch.Tensor,
         return None
     if isa in ("amx", "avx512bf16") and values.dtype != torch.bfloat16:
         isa = "avx2"
-    forced = os.environ.get("VLLM_KVEVICT_CPU_ISA", "auto").strip().lower() != "auto"
+    from vllm_kvevict import cpu_kernel
+
+    forced = cpu_kernel.forced_isa() != "auto"
     faster = (isa == "amx" and d in (32, 64)) or not _torch_gemms_full_width()
     return isa if forced or faster else None
 
