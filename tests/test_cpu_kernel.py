@@ -353,3 +353,46 @@ def test_logged_queries_land_where_the_torch_path_puts_them(monkeypatch):
     assert got["auto"].abs().sum() > 0 and torch.equal(got["auto"], got["torch"])
     with pytest.raises(RuntimeError, match="outside dst"):
         real([got["auto"][0].view(-1, 9 * 64)], torch.tensor([64 * 8]), [queries[0][:1].flatten(1)])
+
+
+@pytest.fixture
+def torch_threads():
+    """Set torch's intra-op thread count for one test, then put it back."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_the_kernel_runs_its_tasks_on_torchs_threads(torch_threads):
+    """at::parallel_for is a header template: compiled without OpenMP it runs
+    every task on the calling thread, whatever torch's thread count (the
+    kernel did, until cpu_kernel.CFLAGS got -fopenmp). vLLM's CPU worker sets
+    torch's count to the cores it binds, so the kernel must follow it."""
+    if cpu_kernel.module() is None:
+        pytest.fail("the CPU kernel is not built: scripts/setup.sh builds it")
+    for n in (1, 2, 3):
+        torch_threads(n)
+        assert cpu_kernel.module().parallel_threads() == n
+
+
+@pytest.mark.parametrize("isa", kernel_isas())
+def test_threads_change_no_bit_of_the_scores(isa, torch_threads):
+    """Each task writes its own output and the split sums are added in a fixed
+    order, so at the engine's shapes (at least 8 (row, head) tasks: one split
+    on 1 or 2 threads) 1 and 2 threads give the same bits, for H2O's column
+    sums and AnDPro's window projection."""
+    gen = torch.Generator().manual_seed(11)
+    layout, kc, _ = _cache("amx" if isa != "avx2" else "vec", torch.bfloat16, 32, 64, 3, gen)
+    rows = torch.stack([torch.randperm(NB, generator=gen)[:6] for _ in range(9)])
+    visible = torch.arange(161, 193).expand(9, -1).contiguous()
+    queries = (torch.randn(9, 32, 9, 64, generator=gen) * 3).bfloat16()
+    q = torch.randn(4, 8, 9, 64, generator=gen).bfloat16()
+    k, v = (torch.randn(4, 3, 200, 64, generator=gen).bfloat16() for _ in range(2))
+    got = {}
+    for n in (1, 2):
+        torch_threads(n)
+        got[n] = (cpu_kernel.column_sums(layout, kc, queries, visible, rows, 0.125, isa),
+                  cpu_kernel.window_projection_sums(q, k, v, 0.125, isa))
+    assert torch.equal(got[1][0], got[2][0])
+    assert torch.equal(got[1][1], got[2][1])
+    assert got[1][0].abs().sum() > 0 and got[1][1].abs().sum() > 0

@@ -35,7 +35,12 @@ from vllm_kvevict.core.config.env import env_choice
 NAME = "vllm_kvevict_cpu_scores"
 SOURCE = Path(__file__).with_name("column_sums.cpp")
 HEADERS = [Path(__file__).with_name(h) for h in ("token_moves.h", "window_projection.h")]  # included by SOURCE
-CFLAGS = ["-O3", "-std=c++17"]
+# -fopenmp: at::parallel_for is a header template that runs its tasks on one
+# thread unless the caller is compiled with OpenMP. Linked against libgomp.so.1,
+# the one torch already loaded (same soname), so the kernel shares torch's
+# thread pool and vLLM's per-core binding of it.
+CFLAGS = ["-O3", "-std=c++17", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 ISAS = ("amx", "avx512bf16", "avx2")  # best first
 
 
@@ -44,7 +49,7 @@ def build_dir() -> Path:
     h = hashlib.sha256(SOURCE.read_bytes())
     for header in HEADERS:
         h.update(header.read_bytes())
-    h.update(f"{torch.__version__}|{sys.version}|{CFLAGS}".encode())
+    h.update(f"{torch.__version__}|{sys.version}|{CFLAGS}|{LDFLAGS}".encode())
     base = os.environ.get("VLLM_KVEVICT_KERNEL_CACHE")
     root = Path(base) if base else Path.home() / ".cache" / "vllm_kvevict" / "cpu_kernel"
     return root / h.hexdigest()[:16]
@@ -62,7 +67,10 @@ def compile_source(source: Path, directory: Path, name: str = NAME, verbose: boo
     from torch.utils.cpp_extension import load
 
     directory.mkdir(parents=True, exist_ok=True)
-    load(name, [str(source)], extra_cflags=CFLAGS, build_directory=str(directory), verbose=verbose)
+    # Copies: load() appends torch's libraries to the lists it is given, which
+    # would change build_dir()'s hash in this process.
+    load(name, [str(source)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+         build_directory=str(directory), verbose=verbose)
 
 
 def load_extension(so: Path, name: str = NAME):

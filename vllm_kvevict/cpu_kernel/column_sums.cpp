@@ -532,6 +532,17 @@ bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_support
 
 // ---------------------------------------------------------------- entry
 
+// The threads the tasks below run on: torch's intra-op count where this file
+// was compiled with OpenMP (cpu_kernel.CFLAGS), else 1, as at::parallel_for
+// then runs every task on the calling thread.
+int64_t parallel_threads() {
+#ifdef INTRA_OP_PARALLEL
+  return at::get_num_threads();
+#else
+  return 1;
+#endif
+}
+
 bool supports(const std::string& isa) {
   if (isa == "amx") return has_amx();
   if (isa == "avx512bf16") return has_avx512bf16();
@@ -679,5 +690,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "AnDPro's window scores: sum over the window of a[t, i] * <y_t, v_i>, y = A V",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("isa"),
         py::arg("split") = true);
+  m.def("parallel_threads", &parallel_threads,
+        "threads the kernel's tasks run on (torch's intra-op count; 1 without OpenMP)");
   m.def("supports", &supports, "whether this CPU runs the named path (avx512bf16 | avx2)");
 }
