@@ -357,10 +357,13 @@ def test_logged_queries_land_where_the_torch_path_puts_them(monkeypatch):
 
 @pytest.fixture
 def torch_threads():
-    """Set torch's intra-op thread count for one test, then put it back."""
+    """Set torch's intra-op thread count for one test, then put it back.
+    torch._C's function, not torch.set_num_threads: vLLM's CPU worker replaces
+    that with a no-op once it has bound its threads, and an in-process engine
+    may have run earlier in this test process."""
     before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
+    yield torch._C.set_num_threads
+    torch._C.set_num_threads(before)
 
 
 def test_the_kernel_runs_its_tasks_on_torchs_threads(torch_threads):
@@ -391,6 +394,7 @@ def test_threads_change_no_bit_of_the_scores(isa, torch_threads):
     got = {}
     for n in (1, 2):
         torch_threads(n)
+        assert cpu_kernel.module().parallel_threads() == n
         got[n] = (cpu_kernel.column_sums(layout, kc, queries, visible, rows, 0.125, isa),
                   cpu_kernel.window_projection_sums(q, k, v, 0.125, isa))
     assert torch.equal(got[1][0], got[2][0])
