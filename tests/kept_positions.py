@@ -3,9 +3,10 @@ the oracle the reference tests compare with a dense run.
 
 Recorded from outside the worker, on one `WorkerEviction` instance: its
 `_compact` and its policy's `select` are wrapped (instance attributes, the
-class is untouched). `_compact` calls `select` once per layer stack, in the
-order of `_stacks()`, with that stack's (layers * KV heads, tokens) scores in
-age order (oldest first), and keeps the returned indices; a compaction's kept
+class is untouched). `_compact` runs a batch of plans and calls `select` once
+per layer stack, in the order of `_stacks()`, with that stack's (plans * layers
+* KV heads, tokens) scores in age order (oldest first), and keeps the returned
+indices; a compaction's kept
 positions are the positions before it, gathered at those indices. The first
 compaction of a request starts from 0 .. old_len - 1; tokens added since the
 last one follow it (logical_len then grows by one per token).
@@ -65,10 +66,10 @@ class KeptRecorder:
             self._keeps.append(out)
         return out
 
-    def _recording_compact(self, plan) -> None:
+    def _recording_compact(self, plans) -> None:
         self._keeps = []
         try:
-            self._compact(plan)
+            self._compact(plans)
             keeps = self._keeps
         finally:
             self._keeps = None
@@ -76,14 +77,17 @@ class KeptRecorder:
         assert len(keeps) == len(stacks), (
             f"{len(keeps)} policy.select calls for {len(stacks)} layer stacks: "
             "WorkerEviction._compact no longer selects once per stack")
-        keep = torch.cat([k.view(st.num_layers, st.layout.num_kv_heads, plan.new_len).cpu()
-                          for k, st in zip(keeps, stacks)])  # (L_all, H, new_len)
-        logical = self._positions_before(self.kept.get(plan.req_id), plan)
-        if logical.dim() == 1:
-            logical = logical.expand(*keep.shape[:2], -1)
-        positions = logical.gather(2, keep)
-        self.kept[plan.req_id] = KeptRecord(positions, plan.logical_len)
-        self.compactions.append((plan, positions))
+        # Each select covers the batch's rows, request-major: (P * L * H, new_len).
+        per_stack = [k.view(len(plans), st.num_layers, st.layout.num_kv_heads, -1).cpu()
+                     for k, st in zip(keeps, stacks)]
+        for i, plan in enumerate(plans):
+            keep = torch.cat([k[i] for k in per_stack])  # (L_all, H, new_len)
+            logical = self._positions_before(self.kept.get(plan.req_id), plan)
+            if logical.dim() == 1:
+                logical = logical.expand(*keep.shape[:2], -1)
+            positions = logical.gather(2, keep)
+            self.kept[plan.req_id] = KeptRecord(positions, plan.logical_len)
+            self.compactions.append((plan, positions))
 
     @staticmethod
     def _positions_before(prev: KeptRecord | None, plan) -> torch.Tensor:

@@ -400,8 +400,8 @@ def compact_once(path, policy, dst_blocks, monkeypatch):
                                    input_batch=SimpleNamespace(req_id_to_index={}))
     assert len(state._stacks()) == 1  # one gather/kernel for both layers
     recorder = KeptRecorder(state)
-    state._compact(CompactionPlan("a", 0, (3, 7, 1), dst_blocks, old_len=40, new_len=20,
-                                  logical_len=40, recent=10))
+    state._compact([CompactionPlan("a", 0, (3, 7, 1), dst_blocks, old_len=40, new_len=20,
+                                   logical_len=40, recent=10)])
     order = state.order["a"].long()  # (layers, H, 20) slot of each token, oldest first
     dst = torch.tensor(dst_blocks)
     kv, scores = [], []

@@ -200,9 +200,9 @@ def test_prompt_is_compacted_once_after_its_last_chunk(h2o_engine):
     before = _fallbacks(probe)
     plans, original = [], WorkerEviction._compact
 
-    def compact(self, plan):
-        plans.append(plan)
-        return original(self, plan)
+    def compact(self, batch):
+        plans.extend(batch)
+        return original(self, batch)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(WorkerEviction, "_compact", compact)

@@ -15,7 +15,8 @@ with nothing to record does nothing):
   QueryRecorder      Record.QUERIES: each request's newest queries in a ring
 
 At a compaction the worker hands the policy a `StackContext` (one layer stack
-of one request), which gathers what the policy reads on first use.
+of a batch of requests compacted together), which gathers what the policy reads
+on first use.
 """
 
 from __future__ import annotations
@@ -177,20 +178,24 @@ RECORDERS: dict[Record, type[Recorder]] = {
 
 
 class StackContext:
-    """`CompactionContext` of one layer stack of one request: what the policy
-    may read, gathered on first use and in age order (oldest first).
+    """`CompactionContext` of one layer stack of a batch of P requests
+    compacted together (`WorkerEviction._batches`: the same old_len, new_len
+    and recent): what the policy may read, gathered on first use and in age
+    order (oldest first). Its rows are (request, layer) pairs, row p * L + l
+    layer l of plans[p]; `num_layers` counts rows (P * L).
 
-    rows: (L, H, old_len) slot of each token by age (None: slot order is age
-    order); src_rows (L, n_src) the stack's block rows of the request's old
-    blocks, src_slots (L, old_len) their slots; private (L, H, n) the request's
-    private scores of its shared first tokens, or None."""
+    rows: (P*L, H, old_len) slot of each token by age (None: slot order is age
+    order); src_rows (P*L, n_src) the stack's block rows of the requests' old
+    blocks, src_slots (P*L, old_len) their slots; private (L, H, n) the
+    request's private scores of its shared first tokens (P = 1), or None."""
 
-    def __init__(self, state: "WorkerEviction", plan: CompactionPlan, st: LayerStack,
+    def __init__(self, state: "WorkerEviction", plans: list[CompactionPlan], st: LayerStack,
                  rows: torch.Tensor | None, src_rows: torch.Tensor, src_slots: torch.Tensor,
                  private: torch.Tensor | None) -> None:
-        self.state, self.plan, self.st = state, plan, st
+        self.state, self.plans, self.st = state, plans, st
         self.rows, self.src_rows, self.src_slots, self.private = rows, src_rows, src_slots, private
-        self.num_layers, self.num_kv_heads = st.num_layers, st.layout.num_kv_heads
+        self.num_layers, self.num_kv_heads = st.num_layers * len(plans), st.layout.num_kv_heads
+        plan = plans[0]
         self.old_len, self.new_len, self.recent = plan.old_len, plan.new_len, plan.recent
         self.device = st.kv_cache.device
         self._k = self._v = self._slots = None
@@ -270,8 +275,13 @@ class StackContext:
     def window(self) -> tuple[torch.Tensor, float] | None:
         if not self._window_read:
             self._window_read = True
-            self._window = self.state.query_window.window(self.plan.req_id, self.st.names,
-                                                          self.plan.logical_len)
-            if self._window is None:
-                self.state.num_windowless += 1
+            wins = [self.state.query_window.window(p.req_id, self.st.names, p.logical_len)
+                    for p in self.plans]
+            if any(w is None for w in wins):
+                # `_batches` batches equal window lengths only: all or none.
+                assert all(w is None for w in wins), "a batch mixes windowed and windowless plans"
+                self.state.num_windowless += len(wins)
+            else:
+                q = wins[0][0] if len(wins) == 1 else torch.cat([q for q, _ in wins])
+                self._window = q, wins[0][1]  # (P*L, w, H_q, D), the scale
         return self._window

@@ -150,14 +150,14 @@ class WorkerEviction:
             start = time.perf_counter()  # CPU: the work; CUDA: its launch (async)
             self.arriving = {r.req_id for r in scheduler_output.scheduled_new_reqs}
             try:
-                for plan in step.plans:
-                    if (plan.req_id in scheduler_output.finished_req_ids
-                            and plan.req_id not in self.arriving):
-                        # It ends this step (the runner drops it below): its blocks
-                        # are no longer this request's to write. The scheduler makes
-                        # no such plan (spec.py); a KV connector that delays frees could.
-                        continue
-                    self._compact(plan)
+                # A request that ends this step (the runner drops it below) has
+                # blocks that are no longer its own to write. The scheduler makes
+                # no such plan (spec.py); a KV connector that delays frees could.
+                plans = [p for p in step.plans
+                         if p.req_id not in scheduler_output.finished_req_ids
+                         or p.req_id in self.arriving]
+                for batch in self._batches(plans):
+                    self._compact(batch)
             finally:
                 self.arriving = set()
             self.compaction_seconds += time.perf_counter() - start
@@ -248,55 +248,93 @@ class WorkerEviction:
             self._stack_cache = LayerStack.build(self.layers)
         return self._stack_cache or []
 
-    def _compact(self, plan: CompactionPlan) -> None:
-        """Run one plan. A request new to this worker this step (in `arriving`,
-        e.g. its KV came in through a KV connector before it was first
-        scheduled) has its block row arrive with this step's output, already the
-        plan's result: only the KV moves.
+    def _batches(self, plans: list[CompactionPlan]) -> list[list[CompactionPlan]]:
+        """The step's plans in batches that `_compact` runs as one.
 
-        The scheduler has already freed the plan's tail and counts the request
+        Requests that arrive together reach their budgets together: in the
+        README's main job every step that compacts compacts 4-8 requests, all
+        from the same old_len to the same new_len. A batch pays the fixed cost
+        of a compaction (the Python around it, the gathers, one kernel call per
+        step of it) once, with rows (request, layer) instead of (layer).
+        Plans batch when their lengths, block counts and observation windows
+        match; a request with private scores (restored per request), offload
+        (its dropped KV goes to the host tier per request), a CUDA cache (the
+        Triton compaction is checked one request at a time) or a policy that
+        scores across rows (`EvictionPolicy.batch_requests`) runs alone."""
+        stacks = self._stacks()
+        if (len(plans) < 2 or not self.policy.batch_requests or self.cfg.offload
+                or not stacks or stacks[0].kv_cache.device.type != "cpu"):
+            return [[p] for p in plans]
+        batches: dict[tuple, list[CompactionPlan]] = {}
+        for p in plans:
+            key: tuple = (p.old_len, p.new_len, p.recent, len(p.src_block_ids),
+                          len(p.dst_block_ids),
+                          self.query_window.window_len(p.req_id, p.logical_len))
+            if p.req_id in self.private.tokens:
+                key = (p.req_id,)
+            batches.setdefault(key, []).append(p)
+        return list(batches.values())
+
+    def _compact(self, plans: list[CompactionPlan]) -> None:
+        """Run a batch of plans (`_batches`: the same old_len, new_len, recent
+        and block counts). A request new to this worker this step (in
+        `arriving`, e.g. its KV came in through a KV connector before it was
+        first scheduled) has its block row arrive with this step's output,
+        already the plan's result: only the KV moves.
+
+        The scheduler has already freed each plan's tail and counts the request
         as compacted: a plan this worker cannot run (a request it does not hold,
         no layer caches) is an inconsistency, and it fails loudly rather than
         run on with a row that still names freed blocks."""
         runner = self.runner
-        new = plan.req_id in self.arriving
-        req_state = None if new or runner is None else runner.requests.get(plan.req_id)
-        if (req_state is None and not new) or not self.layers:
-            why = ("this worker holds no state for it" if req_state is None and not new
-                   else "no layer cache is registered on this worker")
-            raise RuntimeError(
-                f"kv eviction: compaction plan for request {plan.req_id!r} cannot run: {why}. "
-                "The scheduler already freed its blocks past the plan's destination, so "
-                "the worker and the scheduler would disagree about the request's blocks.")
-        bs = self.block_size
-        src_blocks = torch.tensor(plan.src_block_ids, dtype=torch.int64)
-        dst_blocks = torch.tensor(plan.dst_block_ids, dtype=torch.int64)
-        src = token_slots(src_blocks, plan.old_len, bs)  # (old_len,) slots of the old tokens
-        keep_recent = plan.recent
-        order = slot_order(self.order.get(plan.req_id), plan.old_len)  # (L_all, H, old_len)
-        new_order = []
-        evicted_kv = []  # offload: (k, v) per stack, (L, H, E, D)
+        for plan in plans:
+            new = plan.req_id in self.arriving
+            known = new or (runner is not None and plan.req_id in runner.requests)
+            if not known or not self.layers:
+                why = ("this worker holds no state for it" if not known
+                       else "no layer cache is registered on this worker")
+                raise RuntimeError(
+                    f"kv eviction: compaction plan for request {plan.req_id!r} cannot run: "
+                    f"{why}. The scheduler already freed its blocks past the plan's "
+                    "destination, so the worker and the scheduler would disagree about the "
+                    "request's blocks.")
+        first_plan = plans[0]
+        old_len, new_len, keep_recent = first_plan.old_len, first_plan.new_len, first_plan.recent
+        num_plans, bs = len(plans), self.block_size
+        src_blocks = torch.tensor([p.src_block_ids for p in plans], dtype=torch.int64)  # (P, n_src)
+        dst_blocks = torch.tensor([p.dst_block_ids for p in plans], dtype=torch.int64)  # (P, n_dst)
+        src = token_slots(src_blocks, old_len, bs)  # (P, old_len) slots of the old tokens
+        # (L_all, H, old_len) per plan, None while its slots are in age order
+        orders = [slot_order(self.order.get(p.req_id), old_len) for p in plans]
+        new_order = []  # per stack: (P, L, H, new_len)
+        evicted_kv = []  # offload (one plan): (k, v) per stack, (L, H, E, D)
         first = 0
         for st in self._stacks():
-            # Row l of every tensor below is layer `first + l` of this stack.
-            layer = torch.arange(st.num_layers)[:, None]
-            src_slots = src[None] + layer * st.num_blocks * bs  # (L, old_len)
-            src_rows = src_blocks[None] + layer * st.num_blocks  # (L, n_src)
-            dst_rows = dst_blocks[None] + layer * st.num_blocks  # (L, n_dst)
+            # Row p * L + l of every tensor below is layer `first + l` of plans[p].
+            nl, h = st.num_layers, st.layout.num_kv_heads
+            layer = torch.arange(nl)[None, :, None]
+            src_slots = (src[:, None] + layer * st.num_blocks * bs).flatten(0, 1)  # (P*L, old_len)
+            src_rows = (src_blocks[:, None] + layer * st.num_blocks).flatten(0, 1)  # (P*L, n_src)
+            dst_rows = (dst_blocks[:, None] + layer * st.num_blocks).flatten(0, 1)  # (P*L, n_dst)
             kc, vc = st.layout.split(st.kv_cache)
-            rows = None if order is None else order[first:first + st.num_layers]
             # The policy sees tokens oldest first (the recent window, pooling over
             # neighbours); `rows` maps that order to slots after earlier compactions.
-            # Private rows exist only where the recorder opened them (per-slot scores).
-            private = self.private.stacked(plan.req_id, st.names, st.layout.num_kv_heads,
-                                           st.scores.device)
-            ctx = StackContext(self, plan, st, rows, src_rows, src_slots, private)
-            scores = self._compaction_scores(ctx)  # (L, H, old_len)
-            num_layers, h, _ = scores.shape
-            keep = self.policy.select(scores.reshape(num_layers * h, -1), plan.new_len,
-                                      keep_recent).view(num_layers, h, plan.new_len)
+            rows = None
+            if any(o is not None for o in orders):
+                rows = torch.cat([o[first:first + nl] if o is not None else
+                                  torch.arange(old_len).expand(nl, h, old_len)
+                                  for o in orders])
+            # Private rows exist only where the recorder opened them (per-slot
+            # scores); `_batches` runs such a request alone.
+            private = (self.private.stacked(first_plan.req_id, st.names, h, st.scores.device)
+                       if num_plans == 1 else None)
+            ctx = StackContext(self, plans, st, rows, src_rows, src_slots, private)
+            scores = self._compaction_scores(ctx)  # (P*L, H, old_len)
+            keep = self.policy.select(scores.reshape(num_plans * nl * h, -1), new_len,
+                                      keep_recent).view(num_plans * nl, h, new_len)
             keep_slots = keep if rows is None else rows.gather(2, keep.to(rows.device))
             if self.cfg.offload:  # read what is dropped before the kept tokens overwrite it
+                assert num_plans == 1, "offload compacts one request at a time (_batches)"
                 evicted_kv.append(evicted_entries(keep, ctx.keys(), ctx.values()))
             moved_scores = st.scores if st.scores.shape[1] else None  # a recorder's buffer
             if use_triton(kc, st.layout):  # K, V and scores moved in place, in one kernel
@@ -305,33 +343,37 @@ class WorkerEviction:
                     kc, vc, moved_scores, src_slots,
                     token_slots(dst_rows, dst_rows.shape[1] * bs, bs), ordered)
                 after = torch.empty_like(perm).scatter_(
-                    2, perm, torch.arange(plan.new_len, device=perm.device).expand_as(perm))
+                    2, perm, torch.arange(new_len, device=perm.device).expand_as(perm))
             else:  # only the kept tokens past new_len move, into the evicted slots
                 after = fill_holes(st.layout, kc, vc, src_rows, dst_rows, keep_slots,
-                                   plan.old_len, moved_scores)
+                                   old_len, moved_scores)
             if private is not None:
                 # The kept blocks are all private now (spec.py copies shared
                 # ones): the private scores go beside the tokens.
                 restore(st.scores, private, keep, after, dst_rows, bs)
-            new_order.append(after.to(torch.int32))  # stays on the cache's device
-            first += num_layers
-        self.order[plan.req_id] = torch.cat(new_order)
-        self.private.drop([plan.req_id])
-        if evicted_kv:
-            tier = host_tier(self, self._stacks()[0].layout, evicted_kv[0][0].dtype)
-            tier.offload(plan.req_id, torch.cat([k for k, _ in evicted_kv]),
-                         torch.cat([v for _, v in evicted_kv]))
-        self.recorder.compacted(plan.req_id, keep_recent)
-        if req_state is None:  # new: the row comes with this step's output
-            return
-        # The request's row is now exactly dst; this step's new blocks follow.
-        req_state.block_ids[plan.group_id][:] = list(plan.dst_block_ids)
-        batch = runner.input_batch
-        row = batch.req_id_to_index.get(plan.req_id)
-        if row is not None:
-            table = batch.block_table.block_tables[plan.group_id]
-            table.num_blocks_per_row[row] = 0
-            table.append_row(list(plan.dst_block_ids), row)
+            # stays on the cache's device
+            new_order.append(after.to(torch.int32).view(num_plans, nl, h, new_len))
+            first += nl
+        after_all = torch.cat(new_order, dim=1)  # (P, L_all, H, new_len)
+        for i, plan in enumerate(plans):
+            self.order[plan.req_id] = after_all[i]
+            self.private.drop([plan.req_id])
+            if evicted_kv:  # offload: `_batches` ran this plan alone
+                tier = host_tier(self, self._stacks()[0].layout, evicted_kv[0][0].dtype)
+                tier.offload(plan.req_id, torch.cat([k for k, _ in evicted_kv]),
+                             torch.cat([v for _, v in evicted_kv]))
+            self.recorder.compacted(plan.req_id, keep_recent)
+            req_state = None if plan.req_id in self.arriving else runner.requests[plan.req_id]
+            if req_state is None:  # new: the row comes with this step's output
+                continue
+            # The request's row is now exactly dst; this step's new blocks follow.
+            req_state.block_ids[plan.group_id][:] = list(plan.dst_block_ids)
+            batch = runner.input_batch
+            row = batch.req_id_to_index.get(plan.req_id)
+            if row is not None:
+                table = batch.block_table.block_tables[plan.group_id]
+                table.num_blocks_per_row[row] = 0
+                table.append_row(list(plan.dst_block_ids), row)
 
     def _compaction_scores(self, ctx: StackContext) -> torch.Tensor:
         """(L, H, old_len) the policy's scores of one stack's resident tokens,

@@ -1,10 +1,12 @@
 """What every eviction policy is: one class with one scoring method; the base
 owns the top-k.
 
-A policy sees one compaction of one request at a time, a layer stack at once:
+A policy sees a layer stack at once, of one request or of several compacted
+together from the same length to the same length (their rows stacked,
+request-major: L = requests x layers):
 
     compaction_scores(ctx) -> (L, H, n) float, importance of the j-th oldest
-                              resident token of each (layer, KV head)
+                              resident token of each (row, KV head)
     select(scores, keep, recent) -> (rows, keep) int64 kept indices j, ascending
 
 The worker hands each head's tokens oldest first (after a compaction that
@@ -58,11 +60,12 @@ class Record(enum.Enum):
 
 
 class CompactionContext(Protocol):
-    """What a policy may read at a compaction, for one layer stack of one
-    request (L layers, H KV heads, n = `old_len` resident tokens, oldest first).
-    Every method gathers on first call and caches."""
+    """What a policy may read at a compaction, for one layer stack of the
+    requests compacted together (L rows = requests x layers, request-major;
+    H KV heads, n = `old_len` resident tokens, oldest first). Every method
+    gathers on first call and caches."""
 
-    num_layers: int
+    num_layers: int  # rows: requests x layers
     num_kv_heads: int
     old_len: int  # resident tokens before the compaction
     new_len: int  # tokens kept
@@ -150,6 +153,11 @@ class EvictionPolicy:
 
     name: ClassVar[str]
     records: ClassVar[Record] = Record.NOTHING
+    # Rows are scored each on its own, so requests that compact in the same
+    # step with the same lengths share one call (one gather, one kernel call).
+    # A policy that compares rows (e.g. budgets across layers) sets False and
+    # sees one request's layers per call.
+    batch_requests: ClassVar[bool] = True
 
     def compaction_scores(self, ctx: CompactionContext) -> torch.Tensor:
         """(L, H, old_len) importance of each resident token, oldest first."""

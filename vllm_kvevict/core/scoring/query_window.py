@@ -99,6 +99,12 @@ class QueryWindow:
 
     # --- at a compaction -------------------------------------------------------
 
+    def window_len(self, req_id: str, logical_len: int) -> int:
+        """How many queries `window` gives for the request (0: none)."""
+        if self.row_of.get(req_id) is None or self.end[req_id] != logical_len:
+            return 0
+        return min(self.count[req_id], self.tail[req_id])
+
     def window(self, req_id: str, layers: list[str], logical_len: int
                ) -> tuple[torch.Tensor, float] | None:
         """(L, k, H_q, D) queries of the request's newest k tokens, oldest first,
