@@ -242,12 +242,16 @@ def _token_cache(kind, dtype, seed):
 @pytest.mark.parametrize("kind", ["amx", "vec", "odd", "scrambled"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("copy_on_write", [False, True])
-def test_compiled_token_moves_equal_the_torch_path(kind, dtype, copy_on_write, monkeypatch):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_compiled_token_moves_equal_the_torch_path(kind, dtype, copy_on_write, threads,
+                                                   monkeypatch, torch_threads):
     """fill_holes through the kernel's move_tokens/copy_blocks leaves the cache,
     the scores and the returned slot order bit-identical to the torch path
-    (test_fill_holes holds both to the ordered reference on vLLM's layouts)."""
+    (test_fill_holes holds both to the ordered reference on vLLM's layouts),
+    on one thread and split across two (~300 moves: two tasks)."""
     from vllm_kvevict.core.eviction.compaction import fill_holes
 
+    torch_threads(threads)
     mod, layout, kv, gen = _token_cache(kind, dtype, seed=11)
     bs, h = layout.block_size, layout.num_kv_heads
     scores = torch.rand(h, NB * bs, generator=gen)
@@ -278,12 +282,17 @@ def test_compiled_token_moves_equal_the_torch_path(kind, dtype, copy_on_write, m
 @pytest.mark.parametrize("kind", ["amx", "vec", "odd", "scrambled"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("reordered", [False, True])
-def test_compiled_token_reads_equal_the_torch_gather(kind, dtype, reordered):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_compiled_token_reads_equal_the_torch_gather(kind, dtype, reordered, threads,
+                                                     torch_threads):
     """read_tokens (a compaction's K and V for the window policies, oldest
     first: recorders.StackContext) returns exactly what the layout's block
     gather followed by the age order (compaction.by_age) returns, for two
-    layers of a layer stack, with and without an earlier compaction's order."""
+    layers of a layer stack, with and without an earlier compaction's order,
+    on one thread and split across two (one task per (layer, head))."""
     from vllm_kvevict.core.eviction.compaction import by_age
+
+    torch_threads(threads)
 
     mod, layout, kv, gen = _token_cache(kind, dtype, seed=5)
     bs, d, h = layout.block_size, layout.head_size, layout.num_kv_heads

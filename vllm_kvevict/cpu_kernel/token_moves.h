@@ -10,6 +10,7 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -60,6 +61,11 @@ TokenMap token_map(const at::Tensor& offsets) {
   return m;
 }
 
+// Tokens per task of a parallel copy: about 16K elements, so a compaction's
+// thousands of token copies split across torch's threads (vLLM binds one per
+// core) while a handful stays on the calling thread.
+inline int64_t grain(int64_t d) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, d)); }
+
 // dst[pat[e]] = src[pat[e]] for one token (pat: the map's D offsets).
 template <typename T>
 inline void copy_token(T* dst, const T* src, const TokenMap& m, int64_t d) {
@@ -79,18 +85,22 @@ void copy_tokens(const at::Tensor& cache, const at::Tensor& offsets, const Move&
   const int64_t s0 = cache.stride(0), bs = cache.size(2), d = cache.size(3);
   const int64_t* off = offsets.data_ptr<int64_t>();
   const TokenMap map = token_map(offsets);
-  for (int64_t i = 0; i < m.n; ++i) {
-    const T* src = base + m.src_blk[i] * s0;
-    T* dst = base + m.dst_blk[i] * s0;
-    if (map.separable) {
-      copy_token(dst + map.base[m.head[i] * bs + m.dst_off[i]],
-                 src + map.base[m.head[i] * bs + m.src_off[i]], map, d);
-      continue;
+  // Moves write distinct slots and read slots no move writes: any order, any
+  // split across torch's threads.
+  at::parallel_for(0, m.n, grain(d), [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const T* src = base + m.src_blk[i] * s0;
+      T* dst = base + m.dst_blk[i] * s0;
+      if (map.separable) {
+        copy_token(dst + map.base[m.head[i] * bs + m.dst_off[i]],
+                   src + map.base[m.head[i] * bs + m.src_off[i]], map, d);
+        continue;
+      }
+      const int64_t* so = off + (m.head[i] * bs + m.src_off[i]) * d;
+      const int64_t* dof = off + (m.head[i] * bs + m.dst_off[i]) * d;
+      for (int64_t e = 0; e < d; ++e) dst[dof[e]] = src[so[e]];
     }
-    const int64_t* so = off + (m.head[i] * bs + m.src_off[i]) * d;
-    const int64_t* dof = off + (m.head[i] * bs + m.dst_off[i]) * d;
-    for (int64_t e = 0; e < d; ++e) dst[dof[e]] = src[so[e]];
-  }
+  });
 }
 
 void copy_cache(const at::Tensor& cache, const at::Tensor& offsets, const Move& m) {
@@ -169,25 +179,32 @@ void read_tokens_as(const at::Tensor& cache, const at::Tensor& offsets, const in
   const int64_t* off = offsets.data_ptr<int64_t>();
   const TokenMap map = token_map(offsets);
   const int64_t* pat = map.pat.data();
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t i = 0; i < n; ++i, out += d) {
-        const int64_t s = *slot++;
+  // One task per (row, head) range: each writes its own n tokens of `out`.
+  const int64_t rows_per_task = std::max<int64_t>(1, grain(d) / std::max<int64_t>(1, n));
+  at::parallel_for(0, rows * heads, rows_per_task, [&](int64_t lo, int64_t hi) {
+    for (int64_t rh = lo; rh < hi; ++rh) {
+      const int64_t h = rh % heads;
+      const int64_t* sl = slot + rh * n;
+      T* o_row = out + rh * n * d;
+      for (int64_t i = 0; i < n; ++i, o_row += d) {
+        const int64_t s = sl[i];
         const T* src = base + (s / bs) * s0;
         if (map.separable) {
           src += map.base[h * bs + s % bs];
           if (map.run == d) {
-            std::memcpy(out, src, d * sizeof(T));
+            std::memcpy(o_row, src, d * sizeof(T));
           } else if (map.run == 2 && sizeof(T) == 2) {
-            for (int64_t e = 0; e < d; e += 2) std::memcpy(out + e, src + pat[e], 4);
+            for (int64_t e = 0; e < d; e += 2) std::memcpy(o_row + e, src + pat[e], 4);
           } else {
-            for (int64_t e = 0; e < d; ++e) out[e] = src[pat[e]];
+            for (int64_t e = 0; e < d; ++e) o_row[e] = src[pat[e]];
           }
           continue;
         }
         const int64_t* o = off + (h * bs + s % bs) * d;
-        for (int64_t e = 0; e < d; ++e) out[e] = src[o[e]];
+        for (int64_t e = 0; e < d; ++e) o_row[e] = src[o[e]];
       }
+    }
+  });
 }
 
 at::Tensor read_tokens(const at::Tensor& cache, const at::Tensor& offsets, const at::Tensor& slots) {
