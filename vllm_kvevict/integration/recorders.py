@@ -275,13 +275,12 @@ class StackContext:
     def window(self) -> tuple[torch.Tensor, float] | None:
         if not self._window_read:
             self._window_read = True
-            wins = [self.state.query_window.window(p.req_id, self.st.names, p.logical_len)
-                    for p in self.plans]
-            if any(w is None for w in wins):
+            ring, plans = self.state.query_window, self.plans
+            self._window = ring.windows([p.req_id for p in plans], self.st.names,
+                                        [p.logical_len for p in plans])
+            if self._window is None:
                 # `_batches` batches equal window lengths only: all or none.
-                assert all(w is None for w in wins), "a batch mixes windowed and windowless plans"
-                self.state.num_windowless += len(wins)
-            else:
-                q = wins[0][0] if len(wins) == 1 else torch.cat([q for q, _ in wins])
-                self._window = q, wins[0][1]  # (P*L, w, H_q, D), the scale
+                assert len({ring.window_len(p.req_id, p.logical_len) for p in plans}) == 1, \
+                    "a batch mixes windowed and windowless plans"
+                self.state.num_windowless += len(plans)
         return self._window

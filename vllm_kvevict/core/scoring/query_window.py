@@ -110,12 +110,20 @@ class QueryWindow:
         """(L, k, H_q, D) queries of the request's newest k tokens, oldest first,
         for `layers`, and the attention scale; None unless the ring holds the
         tokens right before `logical_len` (the compaction's logical length)."""
-        row = self.row_of.get(req_id)
-        if row is None or self.end[req_id] != logical_len:
+        return self.windows([req_id], layers, [logical_len])
+
+    def windows(self, req_ids: list[str], layers: list[str], logical_lens: list[int]
+                ) -> tuple[torch.Tensor, float] | None:
+        """`window` of requests compacted together: (P * L, k, H_q, D), row
+        p * L + l layer l of req_ids[p], one index per layer for all P; None
+        unless every request's ring holds the same k > 0 tokens."""
+        ks = {self.window_len(r, n) for r, n in zip(req_ids, logical_lens)}
+        k = ks.pop()
+        if ks or k == 0 or any(name not in self.queries for name in layers):
             return None
-        k = min(self.count[req_id], self.tail[req_id])
-        if k == 0 or any(name not in self.queries for name in layers):
-            return None
-        cols = torch.arange(logical_len - k, logical_len) % self.size
-        q = torch.stack([self.queries[name][row] for name in layers])  # (L, size, H_q, D)
-        return q[:, cols.to(q.device)], self.queries.scale[layers[0]]
+        rows = torch.tensor([self.row_of[r] for r in req_ids])[:, None]  # (P, 1)
+        cols = (torch.tensor(logical_lens)[:, None] - k + torch.arange(k)) % self.size  # (P, k)
+        dev = self.queries[layers[0]].device
+        rows, cols = rows.to(dev), cols.to(dev)
+        q = torch.stack([self.queries[name][rows, cols] for name in layers], dim=1)
+        return q.flatten(0, 1), self.queries.scale[layers[0]]
