@@ -12,6 +12,13 @@ instead, in an order rotated by one per round, so no policy is always first
 or always after the same neighbour. The table gives each policy's median
 output tok/s over the rounds and the median of its per-round ratios to stock.
 
+On more than one core, interleaved processes' idle OpenMP threads spin
+(libgomp's default) on the cores the running process needs, which cost the
+window policies about 5 points more than stock on the 2-core EPYC
+(docs/results.md, twenty-fourth session). `OMP_WAIT_POLICY=passive` in the
+environment makes them sleep: every process runs slower, the ratios match
+--sequential's.
+
     python benchmarks/demo_ratio.py [--rounds 3] [--policies none h2o ...] [--sequential] [--md OUT.md]
 """
 from __future__ import annotations
