@@ -253,9 +253,12 @@ class WorkerEviction:
 
         Requests that arrive together reach their budgets together: in the
         README's main job every step that compacts compacts 4-8 requests, all
-        from the same old_len to the same new_len. A batch pays the fixed cost
-        of a compaction (the Python around it, the gathers, one kernel call per
-        step of it) once, with rows (request, layer) instead of (layer).
+        from the same old_len to the same new_len. A batch pays the per-call
+        cost of a compaction (the Python around it, small tensor ops, a kernel
+        call per part) once, with rows (request, layer) instead of (layer).
+        In the main job that is only 25-30 ms of the ~450 its compactions take
+        on two cores: the rest grows with the rows (docs/results.md,
+        twenty-fourth session).
         Plans batch when their lengths, block counts and observation windows
         match; a request with private scores (restored per request), offload
         (its dropped KV goes to the host tier per request), a CUDA cache (the
