@@ -105,10 +105,12 @@ def git_head() -> str | None:
 
 
 class Timers:
-    """Exclusive wall time per category of wrapped functions (nested calls are
-    subtracted from their caller), plus call counts."""
+    """Wall time per category of wrapped functions, exclusive (nested calls are
+    subtracted from their caller) unless `exclusive` is False, plus call
+    counts per function name."""
 
-    def __init__(self) -> None:
+    def __init__(self, exclusive: bool = True) -> None:
+        self.exclusive = exclusive
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self._stack: list[float] = []  # child time of each open call
@@ -130,7 +132,7 @@ class Timers:
             finally:
                 dt = time.perf_counter() - t0
                 child = self._stack.pop()
-                self.seconds[category] += dt - child
+                self.seconds[category] += dt - child if self.exclusive else dt
                 self.calls[name] += 1
                 if self._stack:
                     self._stack[-1] += dt
@@ -155,17 +157,19 @@ PER_STEP = (
 )
 
 
-def install_timers() -> Timers:
-    """Wrap the plugin's per-step functions (`PER_STEP`) with one `Timers`."""
+def install_timers(entries=PER_STEP, exclusive: bool = True) -> Timers:
+    """Wrap the functions named by `entries` ((module, owner, name, category)
+    as in `PER_STEP`, the plugin's per-step functions by default) with one
+    `Timers`."""
     import importlib
 
-    t = Timers()
-    for module, owner, name, category in PER_STEP:
+    t = Timers(exclusive)
+    for module, owner, name, category in entries:
         obj = importlib.import_module(module)
         if owner:
             obj = getattr(obj, owner)
         if not hasattr(obj, name):
-            raise AttributeError(f"benchmarks/common.py PER_STEP: {module}.{owner or ''}"
+            raise AttributeError(f"benchmarks timers: {module}.{owner or ''}"
                                  f"{'.' if owner else ''}{name} no longer exists")
         t.patch(obj, name, category)
     return t

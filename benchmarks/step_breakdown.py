@@ -3,6 +3,7 @@ or in the memory-short throughput benchmark.
 
     VLLM_CPU_OMP_THREADS_BIND=0 taskset -c 0 python benchmarks/step_breakdown.py \\
         [--policies none h2o snapkv andpro streaming] [--repeats 1] [--json out.json]
+    python benchmarks/step_breakdown.py --by-function --policies h2o snapkv andpro
     python benchmarks/step_breakdown.py --workload short   # ~1 min per policy, both cores
 
 `--workload demo` (default) runs `vllm_kvevict.demo`'s offline batch (16
@@ -31,19 +32,21 @@ import argparse
 import json
 import os
 import time
+from collections import defaultdict
 
-from common import CATEGORIES
+from common import CATEGORIES, PER_STEP
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def one(policy: str, workload: str = "demo") -> dict:
-    """The workload under `policy` with timers, in this (fresh) process."""
+def one(policy: str, workload: str = "demo", by_function: bool = False) -> dict:
+    """The workload under `policy` with timers, in this (fresh) process;
+    by_function: one category per timed function (its name), not three."""
     from common import install_timers
 
     from vllm_kvevict.models import ensure_smollm2
 
-    timers = install_timers()
+    timers = install_timers([(m, o, n, n if by_function else c) for m, o, n, c in PER_STEP])
     start = time.perf_counter()
     if workload == "short":
         import throughput
@@ -75,12 +78,24 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1, help="rounds over the policies")
     p.add_argument("--workload", choices=("demo", "short"), default="demo",
                    help="the demo's batch (memory ample) or throughput.py's memory-short run")
+    p.add_argument("--by-function", action="store_true",
+                   help="also print each timed function's exclusive ms / calls")
     p.add_argument("--json")
     args = p.parse_args()
     from prefix_cache import in_fresh_process
 
-    rows = [in_fresh_process(one, policy, args.workload)
+    rows = [in_fresh_process(one, policy, args.workload, args.by_function)
             for _ in range(args.repeats) for policy in args.policies]
+    if args.by_function:
+        for r in rows:
+            print(r["policy"], f"{r['wall_s']:.2f} s:", ", ".join(
+                f"{k} {v * 1e3:.0f} ms / {r['calls'][k]}" for k, v in r["seconds"].items()))
+        category = {n: c for _, _, n, c in PER_STEP}  # back to the three for the table
+        for r in rows:
+            r["by_function"], folded = r["seconds"], defaultdict(float)
+            for name, sec in r["by_function"].items():
+                folded[category[name]] += sec
+            r["seconds"] = dict(folded)
     none_wall = min((r["wall_s"] for r in rows if r["policy"] == "none"), default=None)
     print("| policy | out tok/s | wall s | vs none | scoring s | compaction s | "
           "bookkeeping s | other s |")

@@ -1,20 +1,21 @@
-"""Wall time of each part of the plugin's per-step work in the README's main
-job (`vllm_kvevict.demo.run`, one policy, this process), inclusive per
-function: where a compaction's time goes, finer than
-benchmarks/step_breakdown.py's three categories.
+"""Wall time of each part of a compaction in the README's main job
+(`vllm_kvevict.demo.run`, one policy, this process), inclusive per function:
+finer than `benchmarks/step_breakdown.py --by-function`, whose timers
+(benchmarks/common.py) it uses with nested calls left in.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python scripts/measure/compaction_parts.py h2o|snapkv|andpro|...
 
-Prints one line: label -> total ms / calls over the run (the engine in this
+Prints one line: part -> total ms / calls over the run (the engine in this
 process: VLLM_ENABLE_V1_MULTIPROCESSING=0, else the worker's calls are not
-seen). Nested labels overlap (`_compact` includes `scores`, `select`, ...).
+seen). Parts overlap (`_compact` includes `scores`, `select`, ...).
 """
-import collections
-import importlib
 import sys
-import time
+from pathlib import Path
 
-PARTS = (  # (module, owner or "", function, label)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from common import install_timers  # noqa: E402
+
+PARTS = (  # (module, owner or "", function, part), as common.PER_STEP
     ("vllm_kvevict.integration.worker", "WorkerEviction", "_compact", "_compact"),
     ("vllm_kvevict.integration.worker", "WorkerEviction", "_compaction_scores", "scores"),
     ("vllm_kvevict.integration.worker", "", "fill_holes", "fill_holes"),
@@ -30,27 +31,14 @@ PARTS = (  # (module, owner or "", function, label)
 
 
 def main(policy: str) -> None:
-    seconds, calls = collections.defaultdict(float), collections.Counter()
-    for module, owner, name, label in PARTS:
-        obj = importlib.import_module(module)
-        obj = getattr(obj, owner) if owner else obj
-        fn = getattr(obj, name)
-
-        def timed(*a, _fn=fn, _label=label, **k):
-            t = time.perf_counter()
-            try:
-                return _fn(*a, **k)
-            finally:
-                seconds[_label] += time.perf_counter() - t
-                calls[_label] += 1
-
-        setattr(obj, name, timed)
+    timers = install_timers(PARTS, exclusive=False)
     from vllm_kvevict.demo import parse_args, run
 
     args = parse_args([])
     r = run(args.model, policy, args, None)
+    calls = {part: timers.calls[name] for _, _, name, part in PARTS}
     print(policy, f"{r['tok_s']:.1f} tok/s",
-          {k: f"{seconds[k] * 1e3:.1f} ms / {calls[k]}" for k in seconds})
+          {k: f"{v * 1e3:.1f} ms / {calls[k]}" for k, v in timers.seconds.items()})
 
 
 if __name__ == "__main__":
