@@ -46,8 +46,10 @@ SIGTERM, SIGKILL), killing a Ray rank in 0.2 s; then the same outcome as TP 1.
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -81,6 +83,9 @@ SERVER_EXIT_WITHIN = 30.0
 # this engine-core kill failed, and it passed alone and beside the TP tests),
 # and left after the test. A process that never exits still fails this bound.
 PROCESSES_GONE_WITHIN = 120.0
+# Past SERVER_EXIT_WITHIN the record fails; waiting this much longer tells a
+# slow exit from a hang in the failure's report.
+LATE_EXIT_WITHIN = 90.0
 
 
 class Stream(threading.Thread):
@@ -148,6 +153,28 @@ def new_request(server: Server):
         return type(e).__name__, None
 
 
+def api_server_state(server: Server) -> dict:
+    """What the API server is doing: its threads' Python stacks when py-spy is
+    installed (it is not a dependency), else psutil's view of it."""
+    import shutil
+
+    import psutil
+
+    state = {}
+    try:
+        p = psutil.Process(server.proc.pid)
+        state = {"status": p.status(), "threads": p.num_threads(), "cpu_s": sum(p.cpu_times()[:2]),
+                 "children": [(c.pid, c.name(), c.status()) for c in p.children(recursive=True)]}
+    except psutil.Error as e:
+        state["psutil"] = repr(e)
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if spy:
+        out = subprocess.run([spy, "dump", "--pid", str(server.proc.pid)], capture_output=True,
+                             text=True, timeout=60)
+        state["stacks"] = out.stdout[-6000:] + out.stderr[-500:]
+    return state
+
+
 def kill_mid_run(server: Server, target: str, end_within: float = STREAMS_END_WITHIN) -> dict:
     """SIGKILL one process of `target` while N_STREAMS streams generate; return
     what a client and `ps` see afterwards. Never blocks past the bounds."""
@@ -180,6 +207,12 @@ def kill_mid_run(server: Server, target: str, end_within: float = STREAMS_END_WI
         rec["server_exit"] = server.proc.returncode
     except subprocess.TimeoutExpired:
         rec["server_exit"] = None  # still running: a hang
+        rec["api_server_at_bound"] = api_server_state(server)
+        try:  # slow or hung? what a failure report needs to tell them apart
+            server.proc.wait(LATE_EXIT_WITHIN)
+            rec["late_exit"] = server.proc.returncode
+        except subprocess.TimeoutExpired:
+            rec["late_exit"] = "none"
     rec["server_exit_s"] = round(time.monotonic() - killed, 1)
     rec["health_after"] = server.healthy()
 
@@ -275,6 +308,9 @@ def check_fault(rec: dict, plugin: bool, tp: int = 1) -> None:
     status, message = rec["new_request"]
     assert status == "ConnectionError" or (
         status == 500 and "EngineCore encountered an issue" in message), info
+    if rec["server_exit"] is None:  # a str, so that pytest prints all of it
+        pytest.fail(f"API server still running {SERVER_EXIT_WITHIN:.0f} s after the kill: "
+                    f"{json.dumps(info, indent=1, default=str)}\nlog tail:\n{rec['log'][-2500:]}")
     assert rec["server_exit"] == 0, info  # exited by itself, no hang
     assert not rec["health_after"], info
     assert not rec["left"], info  # no orphan

@@ -40,16 +40,6 @@ def register() -> None:
     if _registered:
         return
     _check_vllm_version()
-    # vLLM freezes the heap in its processes (EngineCore, workers: freeze_gc_heap)
-    # and frozen objects outlive the interpreter's last collections, so
-    # Triton's nanobind types report themselves leaked at exit (a thousand
-    # lines from each Ray worker). Unfreeze at exit, in every process that
-    # loads the plugin, as inprocess.py does for the main job; registered
-    # first, so it runs after every other exit hook.
-    import atexit
-    import gc
-
-    atexit.register(gc.unfreeze)
     from vllm_kvevict.triton_kernels import free_top_level_name
 
     free_top_level_name()  # before vLLM probes for OpenAI's `triton_kernels`
