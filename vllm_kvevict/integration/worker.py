@@ -405,7 +405,7 @@ def _unfreeze_heap_at_exit() -> None:
     workers' reports reach the server's log). Unfreezing at exit lets those
     collections free them, at a price: the process's exit then frees its whole
     heap, about 2 s of CPU instead of 0.25 for an API server's 700,000 objects
-    (measured: docs/testing.md). So only model processes pay it, once each;
+    (scripts/measure/exit_cost.py). So only model processes pay it, once each;
     the API server and EngineCore exit as stock's do (under a loaded suite,
     an API server that unfroze took over 30 s to exit)."""
     global _UNFREEZE_REGISTERED
