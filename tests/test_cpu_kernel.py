@@ -315,6 +315,48 @@ def test_compiled_token_reads_equal_the_torch_gather(kind, dtype, reordered, thr
                         torch.full((1, h, 1), NB * bs, dtype=torch.long))
 
 
+PAGED_PROJECTION_CASES = [  # (path, cache dtype): the bf16 paths take bf16; avx2 any dtype
+    (isa, dtype) for isa in ("amx", "avx512bf16", "avx2")
+    for dtype in ((torch.bfloat16,) if isa != "avx2" else (torch.bfloat16, torch.float32))]
+
+
+@pytest.mark.parametrize("isa,dtype", [pytest.param(i, d, marks=p.marks)
+                                       for p in kernel_isas() for i, d in PAGED_PROJECTION_CASES
+                                       if i == p.values[0]],
+                         ids=lambda x: str(x).replace("torch.", ""))
+@pytest.mark.parametrize("kind", ["amx", "vec", "scrambled"])
+@pytest.mark.parametrize("reordered", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_projection_reads_keys_and_values_in_place_as_from_read_tokens(
+        isa, dtype, kind, reordered, threads, torch_threads):
+    """window_projection_paged (AnDPro's window scores, K and V read in place
+    from the paged cache: recorders.StackContext.window_value_projection)
+    returns the bits window_projection_sums returns on read_tokens' K and V,
+    for two layer rows of a stack, with and without an earlier compaction's
+    order (slots out of age order), on every layout and path, one thread
+    and two."""
+    torch_threads(threads)
+    mod, layout, kv, gen = _token_cache(kind, dtype, seed=13)
+    bs, d, h = layout.block_size, layout.head_size, layout.num_kv_heads
+    kc, vc = split_kv_cache(kv)
+    n, w, g = 4 * bs + 7, 16, 3
+    src_slots = token_slots(SRC_ROWS, n, bs)  # (L, n)
+    rows = (torch.stack([torch.randperm(n, generator=gen) for _ in range(2 * h)]).view(2, h, n)
+            if reordered else None)
+    slots = (src_slots[:, None].expand(-1, h, -1) if rows is None
+             else src_slots.gather(1, rows.flatten(1)).view_as(rows)).contiguous()
+    q = torch.randn(2, w, h * g, d, generator=gen).to(dtype)
+    k_off, v_off = layout.element_offsets(kc, vc)
+    k, v = mod.read_tokens(kc, k_off, slots), mod.read_tokens(vc, v_off, slots)
+    for split in (True, False):
+        want = cpu_kernel.window_projection_sums(q, k, v, 0.125, isa, split=split)
+        got = cpu_kernel.window_projection_paged(layout, kc, vc, q, slots, 0.125, isa, split=split)
+        assert got.shape == (2, h, n) and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernel.window_projection_paged(layout, kc, vc, q, torch.full_like(slots, NB * bs),
+                                           0.125, isa)
+
+
 def test_bad_moves_are_refused_before_anything_is_written():
     mod = cpu_kernel.module()
     if mod is None:

@@ -197,3 +197,41 @@ def test_snapkv_scores_its_window_in_place_as_from_gathered_keys(llm, prompts, m
     else:
         assert seen["in_place"] == len(snaps) and seen["refused"] == 0, (seen, len(snaps))
         assert seen["reordered"] >= 1, seen  # slots out of age order, mapped back
+
+
+def test_andpro_projects_onto_values_read_in_place_as_onto_gathered_ones(llm, prompts, monkeypatch):
+    """AnDPro's compactions read the keys and values in place from the paged
+    cache (StackContext.window_value_projection: no (L, H, n, D) gather of
+    either) and get the bits the gathered keys and values give, at every
+    compaction, the ones after the first (slots out of age order) included.
+    SnapKV reads no values and never takes this path."""
+    from vllm_kvevict import cpu_kernel
+    from vllm_kvevict.core.scoring.window_scores import value_projection
+    from vllm_kvevict.integration.recorders import StackContext
+
+    kind, engine = llm
+    if cpu_kernel.module() is None:
+        pytest.skip("the compiled CPU kernel is not built (scripts/setup.sh builds it)")
+    seen = {"in_place": 0, "refused": 0, "reordered": 0}
+    in_place = StackContext.window_value_projection
+
+    def checked(ctx, q, scale):
+        got = in_place(ctx, q, scale)
+        if got is None:
+            seen["refused"] += 1
+            return None
+        seen["in_place"] += 1
+        want = value_projection(q, ctx.keys(), ctx.values(), scale)  # the gathered path's
+        assert torch.equal(got, want)
+        seen["reordered"] += ctx.rows is not None  # a compaction after the first
+        return got
+
+    monkeypatch.setattr(StackContext, "window_value_projection", checked)
+    tokens, snaps, _ = _vllm_generate(engine, prompts[2], MAX_TOKENS, {"kv_prefill_cap": 0},
+                                      salt=f"{kind}-values-in-place")
+    assert len(snaps) >= 3 and len(tokens) == MAX_TOKENS
+    if kind == "snapkv":
+        assert seen == {"in_place": 0, "refused": 0, "reordered": 0}, seen
+    else:
+        assert seen["in_place"] == len(snaps) and seen["refused"] == 0, (seen, len(snaps))
+        assert seen["reordered"] >= 1, seen

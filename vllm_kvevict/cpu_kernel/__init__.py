@@ -212,3 +212,18 @@ def window_projection_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
         q, k, v = (x.to(torch.float32) for x in (q, k, v))
     return module().window_projection_sums(q.contiguous(), k.contiguous(), v.contiguous(),
                                            float(scale), path_isa, bool(split))
+
+
+def window_projection_paged(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            q: torch.Tensor, slots: torch.Tensor, scale: float, path_isa: str,
+                            split: bool = True) -> torch.Tensor:
+    """`window_projection_sums` with the keys and values read in place from
+    the paged CPU cache: key_cache / value_cache [NB, H, BS, D]
+    (KVLayout.split), q (B, w, H_q, D) of the cache's dtype, slots (B, H, n)
+    int64 each row's tokens oldest first (as `read_tokens`) -> (B, H, n)
+    float32, bit for bit the dense function's on `read_tokens`' K and V,
+    without those (B, H, n, D) copies."""
+    k_offsets, v_offsets = layout.element_offsets(key_cache, value_cache)
+    return module().window_projection_paged(q.contiguous(), key_cache, value_cache, k_offsets,
+                                            v_offsets, slots.long().contiguous(), float(scale),
+                                            path_isa, bool(split))

@@ -690,6 +690,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "AnDPro's window scores: sum over the window of a[t, i] * <y_t, v_i>, y = A V",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("isa"),
         py::arg("split") = true);
+  m.def("window_projection_paged", &window_projection_paged,
+        "AnDPro's window scores with K and V read in place from the paged CPU cache");
   m.def("parallel_threads", &parallel_threads,
         "threads the kernel's tasks run on (torch's intra-op count; 1 without OpenMP)");
   m.def("supports", &supports, "whether this CPU runs the named path (avx512bf16 | avx2)");

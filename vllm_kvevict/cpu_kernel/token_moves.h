@@ -166,6 +166,32 @@ void move_tokens(at::Tensor key_cache, at::Tensor value_cache, const at::Tensor&
   }
 }
 
+// One (row, head)'s n tokens at slots sl[0, n), in that order, into out
+// (n, D) dense: the layout's map read once per token (see TokenMap).
+// base/s0: the [NB, H, BS, D] view's first element and block stride.
+template <typename T>
+inline void read_row(const T* base, int64_t s0, int64_t bs, int64_t d, const TokenMap& map,
+                     const int64_t* off, int64_t h, const int64_t* sl, int64_t n, T* out) {
+  const int64_t* pat = map.pat.data();
+  for (int64_t i = 0; i < n; ++i, out += d) {
+    const int64_t s = sl[i];
+    const T* src = base + (s / bs) * s0;
+    if (map.separable) {
+      src += map.base[h * bs + s % bs];
+      if (map.run == d) {
+        std::memcpy(out, src, d * sizeof(T));
+      } else if (map.run == 2 && sizeof(T) == 2) {
+        for (int64_t e = 0; e < d; e += 2) std::memcpy(out + e, src + pat[e], 4);
+      } else {
+        for (int64_t e = 0; e < d; ++e) out[e] = src[pat[e]];
+      }
+      continue;
+    }
+    const int64_t* o = off + (h * bs + s % bs) * d;
+    for (int64_t e = 0; e < d; ++e) out[e] = src[o[e]];
+  }
+}
+
 // out[l, h, i, :] = the key (or value) of head h at slot slots[l, h, i]
 // (block * BS + offset) of `cache`: a compaction's K and V, read oldest first
 // for the window policies (integration/recorders.StackContext). One pass over
@@ -178,32 +204,11 @@ void read_tokens_as(const at::Tensor& cache, const at::Tensor& offsets, const in
   const int64_t s0 = cache.stride(0), bs = cache.size(2), d = cache.size(3);
   const int64_t* off = offsets.data_ptr<int64_t>();
   const TokenMap map = token_map(offsets);
-  const int64_t* pat = map.pat.data();
   // One task per (row, head) range: each writes its own n tokens of `out`.
   const int64_t rows_per_task = std::max<int64_t>(1, grain(d) / std::max<int64_t>(1, n));
   at::parallel_for(0, rows * heads, rows_per_task, [&](int64_t lo, int64_t hi) {
-    for (int64_t rh = lo; rh < hi; ++rh) {
-      const int64_t h = rh % heads;
-      const int64_t* sl = slot + rh * n;
-      T* o_row = out + rh * n * d;
-      for (int64_t i = 0; i < n; ++i, o_row += d) {
-        const int64_t s = sl[i];
-        const T* src = base + (s / bs) * s0;
-        if (map.separable) {
-          src += map.base[h * bs + s % bs];
-          if (map.run == d) {
-            std::memcpy(o_row, src, d * sizeof(T));
-          } else if (map.run == 2 && sizeof(T) == 2) {
-            for (int64_t e = 0; e < d; e += 2) std::memcpy(o_row + e, src + pat[e], 4);
-          } else {
-            for (int64_t e = 0; e < d; ++e) o_row[e] = src[pat[e]];
-          }
-          continue;
-        }
-        const int64_t* o = off + (h * bs + s % bs) * d;
-        for (int64_t e = 0; e < d; ++e) o_row[e] = src[o[e]];
-      }
-    }
+    for (int64_t rh = lo; rh < hi; ++rh)
+      read_row<T>(base, s0, bs, d, map, off, rh % heads, slot + rh * n, n, out + rh * n * d);
   });
 }
 

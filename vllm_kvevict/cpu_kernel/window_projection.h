@@ -47,6 +47,34 @@
 //        float32 (exact) and float32 FMA throughout: float32 like the torch
 //        path (A normalised before Y = A V).
 
+// K or V read in place from vLLM's paged cache (window_projection_paged):
+// the [NB, H, BS, D] view's first element and block stride, the layout's
+// element offsets and their TokenMap, and the (B, H, n) slots, oldest first.
+// A task copies its (b, h)'s n tokens into a thread's staging rows, which
+// then stand where the dense (n, D) rows of k or v would: the arithmetic, and
+// so every bit of the result, is the dense path's.
+struct PagedRows {
+  const void* base;
+  int64_t s0, bs;
+  const int64_t* off;
+  token_moves::TokenMap map;
+  const int64_t* slots;
+
+  template <typename T>
+  const T* rows(int64_t bh, int64_t h, int64_t n, int64_t d, T* staging) const {
+    token_moves::read_row<T>(static_cast<const T*>(base), s0, bs, d, map, off, h, slots + bh * n, n,
+                             staging);
+    return staging;
+  }
+};
+
+// Task bh's (n, D) rows of K or V: dense, or read in place into `staging`.
+template <typename T>
+inline const T* task_rows(const T* dense, const PagedRows* paged, int64_t bh, int64_t h, int64_t n,
+                          int64_t d, T* staging) {
+  return paged ? paged->rows<T>(bh, h, n, d, staging) : dense + bh * n * d;
+}
+
 // ---------------------------------------------------------------- avx512bf16, amx
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
@@ -56,6 +84,7 @@ struct ProjTask {
   int64_t w, hq, h, g, n, d;
   float scale;
   bool split;  // E and Y as bf16 hi + lo (float32-accurate), or hi alone (model dtype)
+  const PagedRows *pk = nullptr, *pv = nullptr;  // K, V read in place instead of k, v
 };
 
 constexpr int64_t PROJ_ROWS = 16;  // query rows per block (one AMX tile's rows)
@@ -261,10 +290,12 @@ struct ProjBuffers {
   Buf<uint16_t> keys, vkeys, vpairs;  // [n16/16][D/2][16][2] x2, [n32/32][D/16][16][16][2]
   Buf<float> a, y, z;                 // R x n32 (L, then A), R x D, R x 64 (Z tiles)
   Buf<uint16_t> qb, ahi, alo, yhi, ylo;
-  ProjBuffers(int64_t n, int64_t d)
+  Buf<uint16_t> kst, vst;  // (n, D) staging rows where K and V are read in place
+  ProjBuffers(int64_t n, int64_t d, bool paged)
       : n16(round_up(n, 16)), n32(round_up(n, 32)), keys(n16 * d), vkeys(n16 * d), vpairs(n32 * d),
         a(PROJ_ROWS * n32), y(PROJ_ROWS * d), z(PROJ_ROWS * 64), qb(PROJ_ROWS * d),
-        ahi(PROJ_ROWS * n32), alo(PROJ_ROWS * n32), yhi(PROJ_ROWS * d), ylo(PROJ_ROWS * d) {}
+        ahi(PROJ_ROWS * n32), alo(PROJ_ROWS * n32), yhi(PROJ_ROWS * d), ylo(PROJ_ROWS * d),
+        kst(paged ? n * d : 0), vst(paged ? n * d : 0) {}
 };
 
 // The row block's queries into b.qb (zero past nb) and each row's horizon.
@@ -316,9 +347,11 @@ void y_from_e(ProjBuffers& b, int64_t nb, int64_t nd, int64_t e32, int64_t d) {
 void proj_bf16(const ProjTask& p, int64_t bh, int64_t split, int64_t splits, float* col, ProjBuffers& b) {
   const int64_t d = p.d, hp = d / 2, nd = d / 16, rows = p.w * p.g;
   const int64_t bb = bh / p.h, h = bh % p.h;
-  pack_keys_dense(p.k + bh * p.n * d, p.n, b.n16, d, b.keys.data());
-  pack_keys_dense(p.v + bh * p.n * d, p.n, b.n16, d, b.vkeys.data());
-  pack_value_pairs(p.v + bh * p.n * d, p.n, b.n32, d, b.vpairs.data());
+  const uint16_t* k = task_rows(p.k, p.pk, bh, h, p.n, d, b.kst.data());
+  const uint16_t* v = task_rows(p.v, p.pv, bh, h, p.n, d, b.vst.data());
+  pack_keys_dense(k, p.n, b.n16, d, b.keys.data());
+  pack_keys_dense(v, p.n, b.n16, d, b.vkeys.data());
+  pack_value_pairs(v, p.n, b.n32, d, b.vpairs.data());
   const int32_t* q32 = reinterpret_cast<const int32_t*>(b.qb.data());
   int64_t vis[PROJ_ROWS];
   float inv[PROJ_ROWS];
@@ -367,9 +400,11 @@ void proj_amx(const ProjTask& p, int64_t bh, int64_t split, int64_t splits, floa
   constexpr int64_t ND = 2 * KB;
   const int64_t d = p.d, rows = p.w * p.g;
   const int64_t bb = bh / p.h, h = bh % p.h;
-  pack_keys_dense(p.k + bh * p.n * d, p.n, b.n16, d, b.keys.data());
-  pack_keys_dense(p.v + bh * p.n * d, p.n, b.n16, d, b.vkeys.data());
-  pack_value_pairs(p.v + bh * p.n * d, p.n, b.n32, d, b.vpairs.data());
+  const uint16_t* k = task_rows(p.k, p.pk, bh, h, p.n, d, b.kst.data());
+  const uint16_t* v = task_rows(p.v, p.pv, bh, h, p.n, d, b.vst.data());
+  pack_keys_dense(k, p.n, b.n16, d, b.keys.data());
+  pack_keys_dense(v, p.n, b.n16, d, b.vkeys.data());
+  pack_value_pairs(v, p.n, b.n32, d, b.vpairs.data());
   int64_t vis[PROJ_ROWS];
   float inv[PROJ_ROWS];
   amx_configure();
@@ -432,6 +467,7 @@ struct ProjTaskF {
   const void *q, *k, *v;
   int64_t w, hq, h, g, n, d;
   float scale;
+  const PagedRows *pk = nullptr, *pv = nullptr;  // K, V read in place instead of k, v
 };
 
 // One row of raw (already scaled) logits over [0, vis) -> softmax, normalised,
@@ -459,8 +495,9 @@ template <typename T>
 void proj_f32(const ProjTaskF& p, int64_t bh, int64_t split, int64_t splits, float* col) {
   const int64_t d = p.d, rows = p.w * p.g, n = p.n, n16 = round_up(n, 16);  // dot_4x16 takes 16 keys at a time
   const int64_t bb = bh / p.h, h = bh % p.h;
-  const T* k = static_cast<const T*>(p.k) + bh * n * d;
-  const T* v = static_cast<const T*>(p.v) + bh * n * d;
+  std::vector<T> kst(p.pk ? n * d : 0), vst(p.pv ? n * d : 0);
+  const T* k = task_rows(static_cast<const T*>(p.k), p.pk, bh, h, n, d, kst.data());
+  const T* v = task_rows(static_cast<const T*>(p.v), p.pv, bh, h, n, d, vst.data());
   const T* q = static_cast<const T*>(p.q);
   std::vector<float> keys(n16 * d), vkeys(n16 * d), vals(n16 * d, 0.0f);
   pack_f32_dense<T>(k, n, n16, d, keys.data());
@@ -526,24 +563,22 @@ void proj_f32(const ProjTaskF& p, int64_t bh, int64_t split, int64_t splits, flo
 
 // ---------------------------------------------------------------- entry
 
-// (B, w, H_q, D) queries, (B, H, n, D) keys and values -> (B, H, n) float32
-// AnDPro raw scores (see the top of this file). The bf16 paths take bf16
-// tensors; avx2 takes bf16, fp16 or float32, all three of one dtype.
-at::Tensor window_projection_sums(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  double scale, const std::string& isa, bool split) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(), "q (B, w, H_q, D), k and v (B, H, n, D)");
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "contiguous q, k, v");
+// The (B, H, n) float32 scores of q (B, w, H_q, D) against n tokens of H KV
+// heads whose keys and values are dense (k, v: (B, H, n, D) of `dtype`) or,
+// where pk / pv are given, read in place.
+at::Tensor run_projection(const at::Tensor& q, at::ScalarType dtype, int64_t h, int64_t n,
+                          const void* k, const void* v, const PagedRows* pk, const PagedRows* pv,
+                          double scale, const std::string& isa, bool split) {
+  TORCH_CHECK(q.dim() == 4 && q.device().is_cpu() && q.is_contiguous(), "q: contiguous CPU (B, w, H_q, D)");
   const int64_t bsz = q.size(0), w = q.size(1), hq = q.size(2), d = q.size(3);
-  const int64_t h = k.size(1), n = k.size(2);
-  TORCH_CHECK(k.size(0) == bsz && k.size(3) == d && h > 0 && hq % h == 0, "head sizes disagree");
+  TORCH_CHECK(h > 0 && hq % h == 0, "head sizes disagree: query heads not a multiple of the KV heads");
   TORCH_CHECK(d % 16 == 0 && d <= 512, "head size: a multiple of 16, at most 512");
   TORCH_CHECK(w >= 1 && n >= w, "the window's w tokens are the last w of the n resident ones");
   TORCH_CHECK(supports(isa), "this CPU cannot run the ", isa, " path");
   const bool amx = isa == "amx", bf16 = amx || isa == "avx512bf16";
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && v.scalar_type() == k.scalar_type(), "q, k, v: one dtype");
-  TORCH_CHECK(!bf16 || k.scalar_type() == at::kBFloat16, "the ", isa, " path takes bf16 q, k, v");
-  TORCH_CHECK(k.scalar_type() == at::kBFloat16 || k.scalar_type() == at::kHalf || k.scalar_type() == at::kFloat,
+  TORCH_CHECK(q.scalar_type() == dtype, "q, k, v: one dtype");
+  TORCH_CHECK(!bf16 || dtype == at::kBFloat16, "the ", isa, " path takes bf16 q, k, v");
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat,
               "dtype: bf16, fp16 or float32");
   const int64_t g = hq / h, pairs = bsz * h;
   const int64_t block = bf16 ? PROJ_ROWS : ROWS;
@@ -555,27 +590,69 @@ at::Tensor window_projection_sums(const at::Tensor& q, const at::Tensor& k, cons
   const int64_t ncol = round_up(n, 32);
   // amx always splits: its tiles have room for both halves (and it is not
   // measured without).
-  ProjTask pb{nullptr, nullptr, nullptr, w, hq, h, g, n, d, static_cast<float>(scale), split || amx};
-  ProjTaskF pf{q.data_ptr(), k.data_ptr(), v.data_ptr(), w, hq, h, g, n, d, static_cast<float>(scale)};
-  if (bf16) {
-    pb.q = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-    pb.k = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
-    pb.v = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-  }
+  ProjTask pb{reinterpret_cast<const uint16_t*>(q.data_ptr()), static_cast<const uint16_t*>(k),
+              static_cast<const uint16_t*>(v), w, hq, h, g, n, d, static_cast<float>(scale), split || amx,
+              pk, pv};
+  ProjTaskF pf{q.data_ptr(), k, v, w, hq, h, g, n, d, static_cast<float>(scale), pk, pv};
   at::parallel_for(0, splits * pairs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> col(ncol);
-    std::unique_ptr<ProjBuffers> buffers(bf16 ? new ProjBuffers(n, d) : nullptr);
+    std::unique_ptr<ProjBuffers> buffers(bf16 ? new ProjBuffers(n, d, pk != nullptr) : nullptr);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = i / pairs, bh = i % pairs;
       std::fill(col.begin(), col.end(), 0.0f);
       if (amx && d == 32) proj_amx<1>(pb, bh, s, splits, col.data(), *buffers);
       else if (amx && d == 64) proj_amx<2>(pb, bh, s, splits, col.data(), *buffers);
       else if (bf16) proj_bf16(pb, bh, s, splits, col.data(), *buffers);  // amx CPUs too, past 64 dims
-      else if (k.scalar_type() == at::kBFloat16) proj_f32<at::BFloat16>(pf, bh, s, splits, col.data());
-      else if (k.scalar_type() == at::kHalf) proj_f32<at::Half>(pf, bh, s, splits, col.data());
+      else if (dtype == at::kBFloat16) proj_f32<at::BFloat16>(pf, bh, s, splits, col.data());
+      else if (dtype == at::kHalf) proj_f32<at::Half>(pf, bh, s, splits, col.data());
       else proj_f32<float>(pf, bh, s, splits, col.data());
       std::memcpy(o + i * n, col.data(), n * sizeof(float));
     }
   });
   return (splits == 1 ? out[0] : out.sum(0)).view({bsz, h, n});
+}
+
+// (B, w, H_q, D) queries, (B, H, n, D) keys and values -> (B, H, n) float32
+// AnDPro raw scores (see the top of this file). The bf16 paths take bf16
+// tensors; avx2 takes bf16, fp16 or float32, all three of one dtype.
+at::Tensor window_projection_sums(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  double scale, const std::string& isa, bool split) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(), "q (B, w, H_q, D), k and v (B, H, n, D)");
+  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), "CPU tensors");
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "contiguous k and v");
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(3), "head sizes disagree");
+  TORCH_CHECK(v.scalar_type() == k.scalar_type(), "q, k, v: one dtype");
+  return run_projection(q, k.scalar_type(), k.size(1), k.size(2), k.data_ptr(), v.data_ptr(), nullptr,
+                        nullptr, scale, isa, split);
+}
+
+// The same scores with K and V read in place from the paged CPU cache:
+// key_cache / value_cache [NB, H, BS, D] (KVLayout.split), their element
+// offsets (H, BS, D) int64 (KVLayout.element_offsets), and slots (B, H, n)
+// int64, each row's tokens oldest first (as read_tokens). No (B, H, n, D)
+// copy of K or V is made: each (b, h) task reads its tokens into a thread's
+// staging rows. Bit for bit the dense function's result on read_tokens' K, V.
+at::Tensor window_projection_paged(const at::Tensor& q, const at::Tensor& key_cache,
+                                   const at::Tensor& value_cache, const at::Tensor& k_offsets,
+                                   const at::Tensor& v_offsets, const at::Tensor& slots, double scale,
+                                   const std::string& isa, bool split) {
+  TORCH_CHECK(key_cache.device().is_cpu() && value_cache.device().is_cpu(), "CPU caches");
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
+              "key_cache and value_cache: [NB, H, BS, D]");
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "q, k, v: one dtype");
+  token_moves::check_offsets(k_offsets, key_cache);
+  token_moves::check_offsets(v_offsets, value_cache);
+  const int64_t nb = key_cache.size(0), h = key_cache.size(1), bs = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == q.size(3), "head sizes disagree");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 3 &&
+              slots.size(0) == q.size(0) && slots.size(1) == h, "slots: contiguous int64 (B, H, n)");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots.numel(); ++i)
+    TORCH_CHECK(sl[i] >= 0 && sl[i] < nb * bs, "slot ", sl[i], " outside the cache");
+  const PagedRows pk{key_cache.data_ptr(), key_cache.stride(0), bs, k_offsets.data_ptr<int64_t>(),
+                     token_moves::token_map(k_offsets), sl};
+  const PagedRows pv{value_cache.data_ptr(), value_cache.stride(0), bs, v_offsets.data_ptr<int64_t>(),
+                     token_moves::token_map(v_offsets), sl};
+  return run_projection(q, key_cache.scalar_type(), h, slots.size(2), nullptr, nullptr, &pk, &pv, scale,
+                        isa, split);
 }

@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from vllm_kvevict.core.eviction.compaction import by_age
-from vllm_kvevict.core.eviction.kernel_dispatch import cpu_kernel_isa, cpu_token_mover
+from vllm_kvevict.core.eviction.kernel_dispatch import (cpu_kernel_isa, cpu_projection_isa_of,
+                                                       cpu_token_mover, projection_precision)
 from vllm_kvevict.core.eviction.plans import CompactionPlan, EvictionStep
 from vllm_kvevict.core.layouts.layer_stack import LayerCache, LayerStack
 from vllm_kvevict.core.policies import Record
@@ -260,6 +261,25 @@ class StackContext:
         sums = cpu_kernel.column_sums(st.layout, kc, q, visible, self.src_rows, scale, isa)
         sums = sums[..., :n]  # (L, H, n) in slot order
         return sums if self.rows is None else sums.gather(2, self.rows.long())
+
+    def window_value_projection(self, q: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """AnDPro's raw scores with the keys and values read in place from the
+        paged cache by the compiled CPU kernel (no (L, H, n, D) gather of
+        either), or None where that kernel does not run on this cache or on
+        these queries (then `keys()` and `values()`). The kernel reads each
+        row's tokens oldest first through the slots `keys()` would read, so
+        age order holds whatever slots the tokens occupy."""
+        st = self.st
+        kc, vc = st.layout.split(st.kv_cache)
+        if cpu_token_mover(st.layout, kc) is None or q.dtype != kc.dtype:
+            return None  # (the kernel does not widen the cache: mixed dtypes gather)
+        isa = cpu_projection_isa_of(q, kc, vc.dtype, self.old_len)
+        if isa is None:
+            return None
+        from vllm_kvevict import cpu_kernel
+
+        return cpu_kernel.window_projection_paged(st.layout, kc, vc, q, self._slots_by_age(), scale,
+                                                  isa, split=projection_precision() == "float32")
 
     def accumulated(self) -> torch.Tensor:
         if not self.st.scores.shape[1]:

@@ -121,14 +121,23 @@ def cpu_projection_isa(queries: torch.Tensor, keys: torch.Tensor,
     EPYC. On an Intel CPU with AVX-512 torch's GEMMs beat the avx512bf16 and
     avx2 paths, so there torch runs unless AMX applies. VLLM_KVEVICT_CPU_ISA set
     to a path runs that path wherever the kernel can (tests force each)."""
+    if values.shape != keys.shape or values.device != keys.device:
+        return None
+    return cpu_projection_isa_of(queries, keys, values.dtype, keys.shape[2])
+
+
+def cpu_projection_isa_of(queries: torch.Tensor, keys: torch.Tensor, value_dtype: torch.dtype,
+                          n: int) -> str | None:
+    """`cpu_projection_isa` for n tokens whose keys have the dtype and device
+    of `keys` (dense keys, or the paged key cache the kernel reads in place:
+    `cpu_kernel.window_projection_paged`) and whose values have `value_dtype`."""
     d = queries.shape[-1]
-    if (values.shape != keys.shape or values.device != keys.device or d % 16
-            or keys.shape[2] < queries.shape[1]):
+    if d % 16 or n < queries.shape[1]:
         return None
     isa = cpu_kernel_isa(queries, keys)
     if isa is None:
         return None
-    if isa in ("amx", "avx512bf16") and values.dtype != torch.bfloat16:
+    if isa in ("amx", "avx512bf16") and value_dtype != torch.bfloat16:
         isa = "avx2"
     from vllm_kvevict import cpu_kernel
 

@@ -93,6 +93,12 @@ class CompactionContext(Protocol):
         scores), oldest first, computed where the keys lie; or None where the
         context cannot (the policy then scores `keys()`)."""
 
+    def window_value_projection(self, q: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """(L, H, n) float32 AnDPro raw scores of the window queries `q`
+        (`window_scores.value_projection`), oldest first, computed where the
+        keys and values lie; or None where the context cannot (the policy
+        then scores `keys()` and `values()`)."""
+
 
 class PolicySettingError(ValueError):
     """A setting this policy cannot run with; the config names the flag of
@@ -223,3 +229,6 @@ class DenseContext:
 
     def window_attention_sums(self, q: torch.Tensor, scale: float) -> None:
         return None  # the keys are in hand: the policy scores them
+
+    def window_value_projection(self, q: torch.Tensor, scale: float) -> None:
+        return None  # the keys and values are in hand: the policy scores them
