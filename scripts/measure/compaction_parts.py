@@ -24,6 +24,7 @@ PARTS = (  # (module, owner or "", function, part), as common.PER_STEP
     ("vllm_kvevict.integration.recorders", "StackContext", "values", "values"),
     ("vllm_kvevict.integration.recorders", "StackContext", "window", "window"),
     ("vllm_kvevict.cpu_kernel", "", "window_projection_sums", "andpro kernel"),
+    ("vllm_kvevict.cpu_kernel", "", "window_projection_paged", "andpro kernel, in place"),
     ("vllm_kvevict.cpu_kernel", "", "column_sums", "column_sums"),
     ("vllm_kvevict.core.policies.window", "", "finalize", "finalize"),
     ("vllm_kvevict.core.scoring.decode_log", "DecodeQueryLog", "flush", "decode flush"),
