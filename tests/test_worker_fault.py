@@ -169,9 +169,12 @@ def api_server_state(server: Server) -> dict:
         state["psutil"] = repr(e)
     spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
     if spy:
-        out = subprocess.run([spy, "dump", "--pid", str(server.proc.pid)], capture_output=True,
-                             text=True, timeout=60)
-        state["stacks"] = out.stdout[-6000:] + out.stderr[-500:]
+        try:
+            out = subprocess.run([spy, "dump", "--pid", str(server.proc.pid)], capture_output=True,
+                                 text=True, timeout=60)
+            state["stacks"] = out.stdout[-6000:] + out.stderr[-500:]
+        except (OSError, subprocess.SubprocessError) as e:  # the report, not the test, fails
+            state["stacks"] = repr(e)
     return state
 
 
