@@ -8,7 +8,7 @@ vLLM's frozen heap, with and without an unfreeze at exit.
 
 `plugin` registers an unfreeze at exit, as the plugin once did in every
 process (2.2-2.8 s against stock's 0.25 s, 2026-11-29, Zen 4); `plugin
-nounfreeze` leaves the heap frozen, as the API server now does.
+nounfreeze` leaves the heap frozen, as every served process now does.
 """
 import atexit
 import gc

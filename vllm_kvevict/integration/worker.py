@@ -29,8 +29,6 @@ policy records per step and reads at a compaction is in recorders.py.
 
 from __future__ import annotations
 
-import atexit
-import gc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -398,25 +396,6 @@ _STATE: WorkerEviction | None = None
 _OWNER: object | None = None
 
 
-def _unfreeze_heap_at_exit() -> None:
-    """vLLM freezes the heap of the processes it starts (freeze_gc_heap), and
-    frozen objects outlive the interpreter's last collections, so in a model
-    process Triton's nanobind types report themselves leaked at exit (Ray
-    workers' reports reach the server's log). Unfreezing at exit lets those
-    collections free them, at a price: the process's exit then frees its whole
-    heap, about 2 s of CPU instead of 0.25 for an API server's 700,000 objects
-    (scripts/measure/exit_cost.py). So only model processes pay it, once each;
-    the API server and EngineCore exit as stock's do (under a loaded suite,
-    an API server that unfroze took over 30 s to exit)."""
-    global _UNFREEZE_REGISTERED
-    if not _UNFREEZE_REGISTERED:
-        _UNFREEZE_REGISTERED = True
-        atexit.register(gc.unfreeze)
-
-
-_UNFREEZE_REGISTERED = False
-
-
 def init_worker_state(vllm_config, cfg: EvictionConfig, block_size: int) -> None:
     """Bind the process's state to the engine being built (model init).
 
@@ -427,7 +406,6 @@ def init_worker_state(vllm_config, cfg: EvictionConfig, block_size: int) -> None
     global _STATE, _OWNER
     if _OWNER is vllm_config:
         return
-    _unfreeze_heap_at_exit()
     _OWNER = vllm_config
     _STATE = WorkerEviction(cfg, block_size) if cfg.enabled else None
     if _STATE is not None:
