@@ -166,6 +166,17 @@ void move_tokens(at::Tensor key_cache, at::Tensor value_cache, const at::Tensor&
   }
 }
 
+// slots: contiguous int64 (rows, H, n) of slots (block * BS + offset) inside
+// `cache` [NB, H, BS, D], each checked before anything is read.
+void check_slots(const at::Tensor& slots, const at::Tensor& cache) {
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 3 &&
+              slots.size(1) == cache.size(1), "slots: contiguous int64 (L, H, n)");
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t limit = cache.size(0) * cache.size(2);
+  for (int64_t i = 0; i < slots.numel(); ++i)
+    TORCH_CHECK(s[i] >= 0 && s[i] < limit, "slot ", s[i], " outside the cache");
+}
+
 // One (row, head)'s n tokens at slots sl[0, n), in that order, into out
 // (n, D) dense: the layout's map read once per token (see TokenMap).
 // base/s0: the [NB, H, BS, D] view's first element and block stride.
@@ -214,13 +225,10 @@ void read_tokens_as(const at::Tensor& cache, const at::Tensor& offsets, const in
 
 at::Tensor read_tokens(const at::Tensor& cache, const at::Tensor& offsets, const at::Tensor& slots) {
   TORCH_CHECK(cache.dim() == 4, "cache: [NB, H, BS, D]");
-  const int64_t nb = cache.size(0), h = cache.size(1), bs = cache.size(2), d = cache.size(3);
+  const int64_t h = cache.size(1), d = cache.size(3);
   check_offsets(offsets, cache);
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 3 &&
-              slots.size(1) == h, "slots: contiguous int64 (L, H, n)");
+  check_slots(slots, cache);
   const int64_t* s = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < slots.numel(); ++i)
-    TORCH_CHECK(s[i] >= 0 && s[i] < nb * bs, "slot ", s[i], " outside the cache");
   at::Tensor out = at::empty({slots.size(0), h, slots.size(2), d}, cache.options());
   switch (cache.element_size()) {
     case 2: read_tokens_as<uint16_t>(cache, offsets, s, reinterpret_cast<uint16_t*>(out.data_ptr()),

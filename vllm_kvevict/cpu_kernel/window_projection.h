@@ -642,13 +642,11 @@ at::Tensor window_projection_paged(const at::Tensor& q, const at::Tensor& key_ca
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "q, k, v: one dtype");
   token_moves::check_offsets(k_offsets, key_cache);
   token_moves::check_offsets(v_offsets, value_cache);
-  const int64_t nb = key_cache.size(0), h = key_cache.size(1), bs = key_cache.size(2);
+  const int64_t h = key_cache.size(1), bs = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == q.size(3), "head sizes disagree");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 3 &&
-              slots.size(0) == q.size(0) && slots.size(1) == h, "slots: contiguous int64 (B, H, n)");
+  token_moves::check_slots(slots, key_cache);
+  TORCH_CHECK(slots.size(0) == q.size(0), "slots: one row of (H, n) per query row");
   const int64_t* sl = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < slots.numel(); ++i)
-    TORCH_CHECK(sl[i] >= 0 && sl[i] < nb * bs, "slot ", sl[i], " outside the cache");
   const PagedRows pk{key_cache.data_ptr(), key_cache.stride(0), bs, k_offsets.data_ptr<int64_t>(),
                      token_moves::token_map(k_offsets), sl};
   const PagedRows pv{value_cache.data_ptr(), value_cache.stride(0), bs, v_offsets.data_ptr<int64_t>(),
