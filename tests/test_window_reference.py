@@ -153,6 +153,48 @@ def test_window_policy_with_a_prefix_hit_matches_dense_reference(llm, hf, prompt
     assert tokens == ref_tokens
 
 
+def _in_place_run(llm, prompts, monkeypatch, method: str, check, salt: str) -> tuple[dict, int]:
+    """Run a request with StackContext.`method` (an in-place read) wrapped:
+    each call's result, where it is not None, goes through check(ctx, q,
+    scale, got). Returns the counts ({"in_place", "refused", "reordered"}:
+    reordered, calls after a compaction, slots out of age order) and the
+    number of compactions."""
+    from vllm_kvevict import cpu_kernel
+    from vllm_kvevict.integration.recorders import StackContext
+
+    kind, engine = llm
+    if cpu_kernel.module() is None:
+        pytest.skip("the compiled CPU kernel is not built (scripts/setup.sh builds it)")
+    seen = {"in_place": 0, "refused": 0, "reordered": 0}
+    in_place = getattr(StackContext, method)
+
+    def checked(ctx, q, scale):
+        got = in_place(ctx, q, scale)
+        if got is None:
+            seen["refused"] += 1
+            return None
+        seen["in_place"] += 1
+        check(ctx, q, scale, got)
+        seen["reordered"] += ctx.rows is not None  # a compaction after the first
+        return got
+
+    monkeypatch.setattr(StackContext, method, checked)
+    tokens, snaps, _ = _vllm_generate(engine, prompts[2], MAX_TOKENS, {"kv_prefill_cap": 0},
+                                      salt=f"{kind}-{salt}")
+    assert len(snaps) >= 3 and len(tokens) == MAX_TOKENS
+    return seen, len(snaps)
+
+
+def _taken_by(kind: str, taker: str, seen: dict, compactions: int) -> None:
+    """`taker`'s every compaction read in place, later ones out of age order
+    included; the other policy never called the path."""
+    if kind != taker:
+        assert seen == {"in_place": 0, "refused": 0, "reordered": 0}, seen
+    else:
+        assert seen["in_place"] == compactions and seen["refused"] == 0, (seen, compactions)
+        assert seen["reordered"] >= 1, seen  # slots out of age order, mapped back
+
+
 def test_snapkv_scores_its_window_in_place_as_from_gathered_keys(llm, prompts, monkeypatch):
     """SnapKV's compactions read the keys in place from the paged cache
     (StackContext.window_attention_sums: no gather of every layer's keys)
@@ -161,42 +203,24 @@ def test_snapkv_scores_its_window_in_place_as_from_gathered_keys(llm, prompts, m
     window of new tokens, so all take it; the same contexts with one window
     token swapped with an older one must refuse (the gathered keys are then
     scored). AnDPro projects onto the values and never takes this path."""
-    from vllm_kvevict import cpu_kernel
     from vllm_kvevict.core.scoring.window_scores import attention_sums
     from vllm_kvevict.integration.recorders import StackContext
 
-    kind, engine = llm
-    if cpu_kernel.module() is None:
-        pytest.skip("the compiled CPU kernel is not built (scripts/setup.sh builds it)")
-    seen = {"in_place": 0, "refused": 0, "reordered": 0}
     in_place = StackContext.window_attention_sums
 
-    def checked(ctx, q, scale):
-        got = in_place(ctx, q, scale)
-        if got is None:
-            seen["refused"] += 1
-            return None
-        seen["in_place"] += 1
+    def check(ctx, q, scale, got):
         want = attention_sums(q, ctx.keys(), scale)  # the gathered path's scores
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-        seen["reordered"] += ctx.rows is not None  # a compaction after the first
         swapped = copy.copy(ctx)
         rows = (ctx.rows if ctx.rows is not None else
                 torch.arange(ctx.old_len).expand(ctx.num_layers, ctx.num_kv_heads, -1))
         swapped.rows = rows.clone()
         swapped.rows[..., [0, -1]] = rows[..., [-1, 0]]  # the newest token in slot 0
         assert in_place(swapped, q, scale) is None
-        return got
 
-    monkeypatch.setattr(StackContext, "window_attention_sums", checked)
-    tokens, snaps, _ = _vllm_generate(engine, prompts[2], MAX_TOKENS, {"kv_prefill_cap": 0},
-                                      salt=f"{kind}-in-place")
-    assert len(snaps) >= 3 and len(tokens) == MAX_TOKENS
-    if kind == "andpro":
-        assert seen == {"in_place": 0, "refused": 0, "reordered": 0}, seen
-    else:
-        assert seen["in_place"] == len(snaps) and seen["refused"] == 0, (seen, len(snaps))
-        assert seen["reordered"] >= 1, seen  # slots out of age order, mapped back
+    seen, compactions = _in_place_run(llm, prompts, monkeypatch, "window_attention_sums", check,
+                                      "in-place")
+    _taken_by(llm[0], "snapkv", seen, compactions)
 
 
 def test_andpro_projects_onto_values_read_in_place_as_onto_gathered_ones(llm, prompts, monkeypatch):
@@ -205,33 +229,11 @@ def test_andpro_projects_onto_values_read_in_place_as_onto_gathered_ones(llm, pr
     either) and get the bits the gathered keys and values give, at every
     compaction, the ones after the first (slots out of age order) included.
     SnapKV reads no values and never takes this path."""
-    from vllm_kvevict import cpu_kernel
     from vllm_kvevict.core.scoring.window_scores import value_projection
-    from vllm_kvevict.integration.recorders import StackContext
 
-    kind, engine = llm
-    if cpu_kernel.module() is None:
-        pytest.skip("the compiled CPU kernel is not built (scripts/setup.sh builds it)")
-    seen = {"in_place": 0, "refused": 0, "reordered": 0}
-    in_place = StackContext.window_value_projection
+    def check(ctx, q, scale, got):
+        assert torch.equal(got, value_projection(q, ctx.keys(), ctx.values(), scale))
 
-    def checked(ctx, q, scale):
-        got = in_place(ctx, q, scale)
-        if got is None:
-            seen["refused"] += 1
-            return None
-        seen["in_place"] += 1
-        want = value_projection(q, ctx.keys(), ctx.values(), scale)  # the gathered path's
-        assert torch.equal(got, want)
-        seen["reordered"] += ctx.rows is not None  # a compaction after the first
-        return got
-
-    monkeypatch.setattr(StackContext, "window_value_projection", checked)
-    tokens, snaps, _ = _vllm_generate(engine, prompts[2], MAX_TOKENS, {"kv_prefill_cap": 0},
-                                      salt=f"{kind}-values-in-place")
-    assert len(snaps) >= 3 and len(tokens) == MAX_TOKENS
-    if kind == "snapkv":
-        assert seen == {"in_place": 0, "refused": 0, "reordered": 0}, seen
-    else:
-        assert seen["in_place"] == len(snaps) and seen["refused"] == 0, (seen, len(snaps))
-        assert seen["reordered"] >= 1, seen
+    seen, compactions = _in_place_run(llm, prompts, monkeypatch, "window_value_projection", check,
+                                      "values-in-place")
+    _taken_by(llm[0], "andpro", seen, compactions)
