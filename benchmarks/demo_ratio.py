@@ -12,14 +12,14 @@ instead, in an order rotated by one per round, so no policy is always first
 or always after the same neighbour. The table gives each policy's median
 output tok/s over the rounds and the median of its per-round ratios to stock.
 
-On more than one core, interleaved processes' idle OpenMP threads spin
-(libgomp's default) on the cores the running process needs, which cost the
-window policies about 5 points more than stock on the 2-core EPYC
-(docs/results.md, twenty-fourth session). `OMP_WAIT_POLICY=passive` in the
-environment makes them sleep: every process runs slower, the ratios match
---sequential's.
+Interleaved, each turn starts --settle-ms after the last one ended, so the
+last engine's spinning OpenMP threads (libgomp's default wait) are asleep
+before the next engine steps, as they would be for a lone engine
+(benchmarks/interleave.py). --settle-ms 0 shows what they cost: on the
+2-core EPYC, the window policies 5-7 points more than stock.
 
-    python benchmarks/demo_ratio.py [--rounds 3] [--policies none h2o ...] [--sequential] [--md OUT.md]
+    python benchmarks/demo_ratio.py [--rounds 3] [--policies none h2o ...] [--sequential]
+                                    [--settle-ms 20] [--md OUT.md]
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import sys
 import time
 
 from common import RESULT_MARKER
-from interleave import StepClock, run_interleaved
+from interleave import SETTLE_S, StepClock, run_interleaved
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = ("import json, sys; sys.path.insert(0, sys.argv[3]); "
@@ -59,10 +59,10 @@ def one(policy: str) -> dict:
     return json.loads(line[len(RESULT_MARKER):])
 
 
-def together(policies: list[str]) -> dict[str, dict]:
+def together(policies: list[str], settle_s: float) -> dict[str, dict]:
     """One round: every policy in its own process, their engine steps in turn."""
     env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
-    done = run_interleaved([(_argv(p, True), env) for p in policies])
+    done = run_interleaved([(_argv(p, True), env) for p in policies], settle_s=settle_s)
     for p, (res, rc, tail) in zip(policies, done):
         if rc or res is None:
             raise RuntimeError(f"{p} failed (exit {rc}): {tail[-2000:]}")
@@ -75,6 +75,9 @@ def main(argv=None) -> int:
     p.add_argument("--policies", nargs="+", default=["none", "h2o", "snapkv", "andpro", "streaming"])
     p.add_argument("--sequential", action="store_true",
                    help="one policy after another (rotated per round), not interleaved")
+    p.add_argument("--settle-ms", type=float, default=SETTLE_S * 1e3,
+                   help="interleaved: pause before each engine's turn (ms), so the last "
+                        "engine's OpenMP threads stop spinning first")
     p.add_argument("--md", help="also write the table here")
     args = p.parse_args(argv)
     from vllm_kvevict import cpu_kernel
@@ -87,7 +90,7 @@ def main(argv=None) -> int:
         k = r % len(args.policies)
         order = args.policies[k:] + args.policies[:k]
         results = ({p: one(p) for p in order} if args.sequential
-                   else together(order))
+                   else together(order, args.settle_ms / 1e3))
         for policy, res in results.items():
             runs[policy].append(res["tok_s"])
             cpu[policy].append(res["tok_cpu_s"])

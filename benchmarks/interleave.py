@@ -15,7 +15,14 @@ never counts. The child prints its result line (RESULT_MARKER) when done.
 Parent side: `run_interleaved(commands)` starts the children together, lets
 each run to its first gated step (engine build and warm-up, untimed), then
 gives each live child one step per round, the order reversed every other
-round, until every child has printed its result.
+round, until every child has printed its result. Before each turn it pauses
+SETTLE_S: a child that has just stepped leaves its OpenMP threads spinning
+(libgomp's default wait, measured here at 5-9 ms of CPU after a region) on
+the cores the next child needs. A lone engine has no such neighbour; on the
+2-core EPYC the spin cost the scoring policies of the main job 5-7 points
+more than stock (demo_ratio.py: snapkv 0.92x, andpro 0.92x without the
+pause, 0.99x / 0.97x with it, same session; docs/results.md, twenty-sixth
+session). The pause is outside every child's clock.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import time
 from common import RESULT_MARKER
 
 STEP_MARKER = "@@KVEVICT_STEP@@"
+SETTLE_S = 0.02  # pause before each turn: longer than libgomp's spin after a region
 
 
 class StepClock:
@@ -81,15 +89,18 @@ class _Child:
         return self.advance()
 
 
-def run_interleaved(commands: list[tuple[list[str], dict]], verbose: bool = False
-                    ) -> list[tuple[dict | None, int, str]]:
-    """commands: (argv, env) per child. Returns (result or None, exit code,
-    last lines of output) per child, in order."""
+def run_interleaved(commands: list[tuple[list[str], dict]], verbose: bool = False,
+                    settle_s: float = SETTLE_S) -> list[tuple[dict | None, int, str]]:
+    """commands: (argv, env) per child; settle_s: pause before each turn
+    (module docstring). Returns (result or None, exit code, last lines of output) per
+    child, in order."""
     children = [_Child(cmd, env, verbose) for cmd, env in commands]
     live = [c for c in children if c.advance()]
     rnd = 0
     while live:
         for c in (list(live) if rnd % 2 == 0 else live[::-1]):
+            if settle_s:
+                time.sleep(settle_s)
             if not c.go():
                 live.remove(c)
         rnd += 1

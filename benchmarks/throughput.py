@@ -72,7 +72,7 @@ from common import (
     plugin_fingerprint,
 )
 
-from interleave import StepClock, run_interleaved
+from interleave import SETTLE_S, StepClock, run_interleaved
 
 from vllm_kvevict.core.config.settings import POLICIES
 from vllm_kvevict.probe import BlockProbe, attach
@@ -421,7 +421,7 @@ def run_table_interleaved(cfgs: list[dict], args) -> list[dict]:
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     done = run_interleaved([([sys.executable, os.path.abspath(__file__), "--_child",
                               json.dumps(dict(c, interleaved=True))], env) for c in cfgs],
-                           args.verbose)
+                           args.verbose, settle_s=args.settle_ms / 1e3)
     results = []
     for cfg, (res, rc, tail) in zip(cfgs, done):
         results.append(child_failure(cfg, rc, tail) if rc != 0 or res is None else res)
@@ -679,6 +679,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run each table's configurations together, one process each, their "
                         "engine steps in turn (benchmarks/interleave.py): every engine sees "
                         "the same machine state; each run is timed by its own steps")
+    p.add_argument("--settle-ms", type=float, default=SETTLE_S * 1e3,
+                   help="--interleave: pause before each engine's turn (ms), so the last "
+                        "engine's OpenMP threads stop spinning first (benchmarks/interleave.py)")
     p.add_argument("--same-process", action="store_true",
                    help="run configurations sequentially in this process "
                         "(default: one fresh subprocess each)")

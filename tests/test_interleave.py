@@ -20,7 +20,7 @@ sys.path.insert(0, str(BENCH))
 from interleave import StepClock, run_interleaved  # noqa: E402
 
 # A child with a stand-in engine: `steps` steps of `sleep` seconds each, every
-# step logged (name, start time) to `log`; the result is its StepClock's view.
+# step logged ("name start-time") to `log`; the result is its StepClock's view.
 CHILD = """
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
@@ -31,7 +31,7 @@ name, steps, sleep, log = sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys
 class Engine:
     def step(self):
         with open(log, "a") as f:
-            f.write(name + "\\n")
+            f.write(f"{name} {time.monotonic()}\\n")
         time.sleep(sleep)
 
 engine = Engine()
@@ -50,19 +50,36 @@ def child(name: str, steps: int, sleep: float, log: Path):
             dict(os.environ))
 
 
+def _steps(log: Path) -> list[tuple[str, float]]:
+    """(child name, start time) of every step, in the order they ran."""
+    return [(name, float(t)) for name, t in (line.split() for line in log.read_text().splitlines())]
+
+
 def test_engines_take_turns_and_each_is_timed_by_its_own_steps(tmp_path):
     log = tmp_path / "steps.log"
     out = run_interleaved([child("a", 3, 0.01, log), child("b", 5, 0.08, log)])
     assert [rc for _, rc, _ in out] == [0, 0], [tail for _, _, tail in out]
     # one step each per round, the order reversed every other round; once a
     # has finished, b goes on alone
-    assert log.read_text().split() == ["a", "b", "b", "a", "a", "b", "b", "b"]
+    assert [name for name, _ in _steps(log)] == ["a", "b", "b", "a", "a", "b", "b", "b"]
     a, b = (res for res, _, _ in out)
     assert (a["steps"], b["steps"]) == (3, 5)
     # a's wall time includes waiting for b's 0.08 s steps; its clock does not
     assert a["wall_s"] > 0.15
     assert 0.03 <= a["busy_s"] < 0.1
     assert b["busy_s"] >= 0.4
+
+
+def test_settle_pauses_before_every_turn_and_the_clocks_do_not_count_it(tmp_path):
+    """--settle-ms: the last engine's threads get time to stop spinning
+    before the next engine's step starts; no engine's step time includes it."""
+    log = tmp_path / "steps.log"
+    out = run_interleaved([child("a", 4, 0.0, log), child("b", 4, 0.0, log)], settle_s=0.05)
+    assert [rc for _, rc, _ in out] == [0, 0], [tail for _, _, tail in out]
+    starts = [t for _, t in _steps(log)]
+    assert len(starts) == 8
+    assert min(b - a for a, b in zip(starts, starts[1:])) >= 0.05
+    assert all(res["busy_s"] < 0.04 for res, _, _ in out)  # 4 steps of nothing each
 
 
 def test_a_child_that_fails_is_reported_and_the_others_finish(tmp_path):
