@@ -98,6 +98,6 @@ class ChunkLog:
             visible[i, : c.n] = torch.arange(c.seq_len - c.n + 1, c.seq_len + 1)
         ids = [c.req_id for c in chunks]
         score_logged(stacks, ids, [blocks[r] for r in ids], visible,
-                     lambda name: None if name not in queries
-                     else queries[name][index.to(queries[name].device)],
+                     queries.__contains__,
+                     lambda names: torch.cat([queries[n][index.to(queries[n].device)] for n in names]),
                      self.scale, private_of)

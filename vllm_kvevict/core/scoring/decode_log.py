@@ -79,7 +79,8 @@ def free_row(row_of: dict[str, int]) -> int:
 
 
 def score_logged(stacks: list, req_ids: list[str], blocks: list[list[int]],
-                 visible: torch.Tensor, queries_of: Callable[[str], torch.Tensor | None],
+                 visible: torch.Tensor, logged: Callable[[str], bool],
+                 queries_of: Callable[[list[str]], torch.Tensor],
                  scale: dict[str, float], private_of: PrivateOf | None = None) -> None:
     """Score logged queries of `req_ids` in every layer: one score_queries call
     per layer stack (per scale), its rows every (layer, request) pair, so the
@@ -89,7 +90,9 @@ def score_logged(stacks: list, req_ids: list[str], blocks: list[list[int]],
     stacks:     the worker's layer_stack.LayerStacks
     blocks:     each request's block ids (worker's copy)
     visible:    (R, Q) int64 physical keys each query sees, 0 = padding
-    queries_of: layer name -> (R, Q, H_q, D) the queries, or None (not logged)
+    logged:     layer name -> whether its queries were logged
+    queries_of: L logged layer names -> (L * R, Q, H_q, D) their queries,
+                row l * R + r (one read for all L: QueryBuffers.take)
     private_of: (req_id, layer, stack) -> its private score row, or None
     """
     bs = stacks[0].layout.block_size
@@ -99,23 +102,22 @@ def score_logged(stacks: list, req_ids: list[str], blocks: list[list[int]],
         row = row[:nblk]
         block_rows[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
     for st in stacks:
-        groups: dict[float, list[tuple[int, str, torch.Tensor]]] = {}
+        groups: dict[float, list[tuple[int, str]]] = {}
         for layer, name in enumerate(st.names):
-            q = queries_of(name)
-            if q is not None:
-                groups.setdefault(scale[name], []).append((layer, name, q))
+            if logged(name):
+                groups.setdefault(scale[name], []).append((layer, name))
         key_cache, _ = st.layout.split(st.kv_cache)
         for sc, group in groups.items():
             # Layer l's block b is block l * num_blocks + b of the stack.
-            offset = torch.tensor([layer * st.num_blocks for layer, _, _ in group])
+            offset = torch.tensor([layer * st.num_blocks for layer, _ in group])
             rows = (block_rows[None] + offset[:, None, None]).flatten(0, 1)
             private = None
             if private_of is not None:
-                private = [private_of(r, name, st) for _, name, _ in group for r in req_ids]
+                private = [private_of(r, name, st) for _, name in group for r in req_ids]
                 if all(p is None for p in private):
                     private = None
             score_queries(st.scores, st.layout, key_cache,
-                          torch.cat([q for _, _, q in group]), visible.repeat(len(group), 1),
+                          queries_of([name for _, name in group]), visible.repeat(len(group), 1),
                           rows, sc, private)
 
 
@@ -204,8 +206,8 @@ class DecodeQueryLog:
         rows = rows_of([self.row_of[r] for r in ids])
         nq = max(self.count[r] for r in ids)
         score_logged(stacks, ids, [blocks[r] for r in ids], self.visible[rows, :nq],
-                     lambda name: None if name not in self.queries
-                     else self.queries[name][rows, :nq], self.queries.scale, private_of)
+                     self.queries.__contains__, lambda names: self.queries.take(names, rows, nq),
+                     self.queries.scale, private_of)
         self.visible[rows] = 0
         for r in ids:
             self.count[r] = 0

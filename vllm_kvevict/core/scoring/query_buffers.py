@@ -3,6 +3,11 @@ window's (SnapKV, AnDPro).
 
     buffers[layer]: (R, cols, H_q, D) query dtype; a query's cell is row * cols + col
 
+The layers' buffers are views of one (L, R, cols, H_q, D) tensor wherever
+their queries agree in shape, dtype and device (every model here), so that a
+read across layers (`take`: a flush of every layer's log) is one copy, not a
+gather per layer and a concatenation of them.
+
 Each layer's attention hands over its step's queries (`hold`, with the step's
 `StepPlacement`: which tokens go to which cells). Where the compiled CPU kernel
 copies them, they are not copied then: the layer's query tensor is kept by
@@ -37,6 +42,10 @@ class QueryBuffers:
     def __init__(self, cols: int) -> None:
         self.cols = cols
         self._buffers: dict[str, torch.Tensor] = {}
+        # The stack the buffers of `_stacked` (in its order) are views of; a
+        # layer whose queries differ in shape, dtype or device gets its own.
+        self._stack: torch.Tensor | None = None
+        self._stacked: list[str] = []
         self.scale: dict[str, float] = {}
         # Held, not yet stored: (layer, queries (N, H_q, D)), all of one step's
         # placement, for buffers of `_rows` rows.
@@ -57,6 +66,20 @@ class QueryBuffers:
     def __bool__(self) -> bool:
         self.commit()
         return bool(self._buffers)
+
+    def take(self, layers: list[str], rows: slice | torch.Tensor, n: int) -> torch.Tensor:
+        """(len(layers) * P, n, H_q, D), row l * P + p: the first n cells of
+        buffer row rows[p] in layers[l]; rows a slice or (P,) int64. One copy
+        when the layers are consecutive in the stack (a flush of every layer),
+        else a gather per layer."""
+        self.commit()
+        pos = {name: i for i, name in enumerate(self._stacked)}
+        at = [pos.get(name, -1) for name in layers]
+        if at and at[0] >= 0 and at == list(range(at[0], at[0] + len(at))):
+            src = self._stack[at[0]:at[0] + len(at), :, :n]
+            out = src[:, rows] if isinstance(rows, slice) else src.index_select(1, rows.to(src.device))
+            return out.reshape(-1, *out.shape[2:])
+        return torch.cat([self._buffers[name][rows, :n] for name in layers])
 
     # --- writes ---------------------------------------------------------------
 
@@ -102,6 +125,7 @@ class QueryBuffers:
         self._store(held, self._placement, self._rows)
 
     def _store(self, items: list[tuple[str, torch.Tensor]], placement, rows: int) -> None:
+        self._restack(items, rows)
         bufs = [self._buffer(layer, src, rows) for layer, src in items]
         if not placement.tokens.numel():
             return
@@ -112,6 +136,31 @@ class QueryBuffers:
             return
         for buf, (_, src) in zip(bufs, items):  # index_copy_ on the flat (row, column) axis
             buf.view(-1, *buf.shape[2:]).index_copy_(0, placement.cells.to(buf.device), src)
+
+    def _restack(self, items: list[tuple[str, torch.Tensor]], rows: int) -> None:
+        """Before a store: when a layer of `items` has no buffer or one under
+        `rows` rows, one new stack for the stacked layers and these (old
+        contents copied), grown by doubling. Queries of another shape, dtype or
+        device than the stack's end stacking: every layer keeps the buffer it
+        has (a view is still a buffer) and grows alone (`_buffer`)."""
+        if all(layer in self._buffers and self._buffers[layer].shape[0] >= rows
+               for layer, _ in items):
+            return
+        ref = items[0][1] if self._stack is None else self._stack[0, 0]  # (N, H_q, D)
+        if (any(layer in self._buffers and layer not in self._stacked for layer, _ in items)
+                or any(src.shape[1:] != ref.shape[1:] or src.dtype != ref.dtype
+                       or src.device != ref.device for _, src in items)):
+            self._stack, self._stacked = None, []
+            return
+        old = 0 if self._stack is None else self._stack.shape[1]
+        names = self._stacked + [layer for layer, _ in items if layer not in self._stacked]
+        size = max(8, 2 * old, rows) if rows > old or self._stack is None else old
+        stack = ref.new_zeros(len(names), size, self.cols, *ref.shape[1:])
+        if self._stack is not None:
+            stack[:len(self._stacked), :old] = self._stack
+        self._stack, self._stacked = stack, names
+        for i, name in enumerate(names):
+            self._buffers[name] = stack[i]
 
     def _buffer(self, layer: str, like: torch.Tensor, rows: int) -> torch.Tensor:
         """The layer's buffer, grown (by doubling) to at least `rows` rows."""
