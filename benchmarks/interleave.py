@@ -17,7 +17,7 @@ each run to its first gated step (engine build and warm-up, untimed), then
 gives each live child one step per round, the order reversed every other
 round, until every child has printed its result. Before each turn it pauses
 SETTLE_S: a child that has just stepped leaves its OpenMP threads spinning
-(libgomp's default wait, measured here at 5-9 ms of CPU after a region) on
+(libgomp's default wait, measured here at 4-9 ms of CPU after a region) on
 the cores the next child needs. A lone engine has no such neighbour; on the
 2-core EPYC the spin cost the scoring policies of the main job 5-7 points
 more than stock (demo_ratio.py: snapkv 0.92x, andpro 0.92x without the
