@@ -1,10 +1,13 @@
 """Offline batch with H2O eviction: settings go through additional_config.
+Prints the answers, then the plugin's counters (what `/metrics` shows when
+serving: tokens evicted, blocks returned to vLLM's pool, compactions).
 
     python examples/offline_h2o.py [MODEL]
 """
 
 import sys
 
+from prometheus_client import REGISTRY, generate_latest
 from vllm import LLM, SamplingParams
 
 
@@ -19,6 +22,10 @@ def main() -> None:
                [{"role": "user", "content": "Explain how tides work, in detail."}]]
     for out in llm.chat(prompts, SamplingParams(temperature=0, max_tokens=400)):
         print(out.outputs[0].text, "\n---")
+    # The engine core writes the counters; the plugin's collector in this
+    # process sums them into prometheus_client's registry, as in `vllm serve`.
+    print("\n".join(line for line in generate_latest(REGISTRY).decode().splitlines()
+                    if line.startswith("vllm_kvevict_")))
 
 
 if __name__ == "__main__":
