@@ -92,6 +92,14 @@ def test_bad_schemas_are_400(server):
                           ({"schema": "missing pml"}, "body must be JSON")]:
         r = post(body)
         assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    # A schema pasted into a JSON string with its line breaks (not \n escapes):
+    # the answer says why the body is not JSON, and how to write it.
+    raw = '{"pml": "<schema name=\'x\'>\n<module name=\'a\'>A</module></schema>"}'
+    r = requests.post(server.url + "/v1/kvevict/schemas", data=raw.encode(), timeout=60,
+                      headers={"Content-Type": "application/json"})
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and "Invalid control character" in message, r.text
+    assert "line breaks in the PML written as \\n" in message, message
     r = requests.delete(server.url + "/v1/kvevict/schemas/ghost", timeout=10)
     assert r.status_code == 404
     assert server.healthy()

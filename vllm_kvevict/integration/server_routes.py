@@ -56,6 +56,9 @@ async def _body(request: Request, cap: int) -> bytes | None:
     return b"".join(chunks)
 
 
+BODY_FORM = '{"pml": "<schema ...>"}, line breaks in the PML written as \\n'
+
+
 @router.post("/schemas")
 async def register(request: Request):
     engine = request.app.state.engine_client
@@ -66,11 +69,14 @@ async def register(request: Request):
                            f"({limits.max_pml_bytes} bytes)")
     try:
         body = json.loads(raw)
-    except (ValueError, RecursionError):  # [[[[... nested past Python's stack
-        return _error(400, "body must be JSON: {\"pml\": \"<schema ...>\"}")
+    except (ValueError, RecursionError) as e:  # RecursionError: [[[[... past Python's stack
+        # The parser's reason and place: a PML pasted with its line breaks
+        # (not \n escapes) is the usual one, "Invalid control character at".
+        why = "nested too deep" if isinstance(e, RecursionError) else str(e)
+        return _error(400, f"body is not JSON ({why[:200]}); expected {BODY_FORM}")
     pml = body.get("pml") if isinstance(body, dict) else None
     if not isinstance(pml, str):
-        return _error(400, "body must be JSON: {\"pml\": \"<schema ...>\"}")
+        return _error(400, f"body must be JSON: {BODY_FORM}")
     try:
         summary = await pm.register_schema_async(engine, pml, limits, body.get("cache_salt"))
     except PMLError as e:
