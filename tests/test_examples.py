@@ -40,9 +40,16 @@ EXAMPLES = os.path.join(ROOT, "examples")
 TIMEOUT_S = 900  # a server's cold start on a busy 2-core machine took over 300 s once
 
 
-def run_example(argv: list[str], **env) -> str:
-    """Run one example to its end in its own session; stdout (stderr on failure
-    in the assertion). Whatever the session left running is stopped."""
+def run_example(argv: list[str], timeout: float = TIMEOUT_S, **env) -> str:
+    """Run one example to its end in its own session; its stdout. It must exit 0."""
+    rc, out, err = run_to_end(argv, timeout, **env)
+    assert rc == 0, f"{argv} exited {rc}:\n{out[-3000:]}\n{err[-5000:]}"
+    return out
+
+
+def run_to_end(argv: list[str], timeout: float, **env) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `argv` run in its own session, as a
+    user runs it; whatever the session left running is stopped after."""
     e = dict(os.environ, **env)
     e["PATH"] = os.path.dirname(sys.executable) + os.pathsep + e.get("PATH", "")
     e.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the suite's in-process engine core
@@ -50,11 +57,10 @@ def run_example(argv: list[str], **env) -> str:
     proc = subprocess.Popen(argv, cwd=ROOT, env=e, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
+        out, err = proc.communicate(timeout=timeout)
     finally:
         _stop_session(proc.pid)
-    assert proc.returncode == 0, f"{argv} exited {proc.returncode}:\n{out[-3000:]}\n{err[-5000:]}"
-    return out
+    return proc.returncode, out, err
 
 
 def _stop_session(sid: int, grace_s: float = 30.0) -> None:
@@ -132,6 +138,15 @@ def test_serve_h2o_example_answers_a_chat(model_path):
     chats = [d for d in json_lines(out) if d.get("object") == "chat.completion"]
     assert len(chats) == 1, out[-2000:]
     assert len(chats[0]["choices"][0]["message"]["content"]) > 100, chats
+
+
+@pytest.mark.parametrize("script", ["serve_h2o.sh", "serve_prompt_modules.sh"])
+def test_a_serve_example_stops_when_its_server_cannot_start(tmp_path, script):
+    """A server that dies at startup (here: no model at that path) ends the
+    script with an error, where it once waited for /health forever."""
+    rc, out, err = run_to_end(["bash", f"examples/{script}", str(tmp_path / "no-model")],
+                              timeout=300, PORT=str(free_port()))
+    assert rc != 0 and "no-model" in out + err, (rc, out[-2000:], err[-2000:])
 
 
 def test_serve_prompt_modules_example_registers_reuses_and_removes(model_path):
