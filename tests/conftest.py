@@ -241,10 +241,11 @@ _GROUP_OF = {f: g for g, files in GROUPS.items() for f in files}
 # the rest 1.4-1.8x slower, so 17 on this scale. Pipeline parallel (issue 39):
 # its runs add 126 s to tensor_parallel's plugin process (PP 2 over mp 70 s, over
 # Ray 56 s, measured alone) and test_pipeline_serve.py took 118 s, both while
-# another job loaded the cores. test_examples.py: 234 s alone on 2 idle cores
-# (2026-11-29).
+# another job loaded the cores. test_examples.py: 264 s and test_seeded_sampling.py
+# 47 s alone (-n0) on 2 idle cores (2026-11-29).
 GROUP_SECONDS = {"tensor_parallel": 342, "h2o_server": 236, "calibrated": 140,
-                 "test_pipeline_serve.py": 118, "test_examples.py": 234,
+                 "test_pipeline_serve.py": 118, "test_examples.py": 264,
+                 "test_seeded_sampling.py": 47,
                  "test_engine.py": 100, "test_eval_smoke.py": 56,
                  "test_window_reference.py": 51, "test_infinigen_dense.py": 36,
                  "test_h2o_reference.py": 36, "test_prompt_modules_security.py": 33,
