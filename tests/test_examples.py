@@ -16,6 +16,8 @@ process, as outside the suite. What each must print:
   serve_prompt_modules.sh    the schema registered, both PML requests answered
                              with cached prompt tokens, the schema listed and
                              removed
+  either serve script        given a model path that does not exist: an error
+                             exit, not a wait for /health forever
 
 Not run here: examples/serve_ray_tp.sh (a Ray head and a TP 2 server on two
 cores, minutes; its last run is in docs/serving.md). What it serves is
@@ -36,7 +38,6 @@ import pytest
 from vllm_kvevict.eval.server import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = os.path.join(ROOT, "examples")
 TIMEOUT_S = 900  # a server's cold start on a busy 2-core machine took over 300 s once
 
 
