@@ -19,6 +19,7 @@ original, delegates to it, and refuses to patch twice.
 | ray_on_cpu             | CpuPlatform.ray_device_key, RayExecutorV2._get_actor_resource_kwargs / _init_executor, RayWorkerProc.get_node_and_physical_gpu_ids / initialize_worker |
 | pp_intermediate_tensors | GPUModelRunner.sync_and_gather_intermediate_tensors (CPU: eager pipeline parallel) |
 | cpu_seeded_sampling    | GPUModelRunner._sample / _bookkeeping_sync (CPU: a seeded request's chunked prompt killed the engine) |
+| metrics_registry       | prometheus_client.multiprocess.MultiProcessCollector, as vLLM's /metrics builds it (the eviction series with several API servers) |
 
 vLLM internals used outside this folder (no patch: read, called, subclassed or
 stamped; each may break on a vLLM upgrade, so each is listed here, and
@@ -48,7 +49,8 @@ logger = logging.getLogger("vllm_kvevict")
 PATCHES = ("engine_args", "scheduler_schedule", "runner_update_states",
            "request_validation", "ray_on_cpu", "kv_manager_modules", "engine_core_modules",
            "runner_positions", "input_processor_pml", "async_llm_pml", "tokenize_truncation",
-           "pp_intermediate_tensors", "cpu_seeded_sampling")
+           "pp_intermediate_tensors", "cpu_seeded_sampling",
+           "metrics_registry")
 _applied: set[str] = set()
 
 

@@ -242,8 +242,9 @@ _GROUP_OF = {f: g for g, files in GROUPS.items() for f in files}
 # its runs add 126 s to tensor_parallel's plugin process (PP 2 over mp 70 s, over
 # Ray 56 s, measured alone) and test_pipeline_serve.py took 118 s, both while
 # another job loaded the cores. test_examples.py: 264 s and test_seeded_sampling.py
-# 47 s alone (-n0) on 2 idle cores (2026-11-29).
-GROUP_SECONDS = {"tensor_parallel": 342, "h2o_server": 236, "calibrated": 140,
+# 47 s alone (-n0) on 2 idle cores (2026-11-29); h2o_server +55 s that day (a
+# second server, two API servers).
+GROUP_SECONDS = {"tensor_parallel": 342, "h2o_server": 291, "calibrated": 140,
                  "test_pipeline_serve.py": 118, "test_examples.py": 264,
                  "test_seeded_sampling.py": 47,
                  "test_engine.py": 100, "test_eval_smoke.py": 56,

@@ -21,7 +21,7 @@ import time
 
 import pytest
 import requests
-from conftest import SERVE_DEFAULTS, serve_config
+from conftest import H2O_SERVER_ARGS, SERVE_DEFAULTS, serve_config
 
 BUDGET = 64  # conftest.H2O_SERVER_ARGS
 REFERENCE = "The history of the lighthouse began"
@@ -184,3 +184,22 @@ def test_bad_settings_stop_a_real_vllm_serve(model_path):
         capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout, (proc.stderr + proc.stdout)[-3000:]
+
+
+def test_eviction_metrics_with_two_api_servers(model_path):
+    """With `--api-server-count 2` vLLM serves /metrics from a multiprocess
+    registry (patches/metrics_registry.py adds the plugin's collector to it):
+    each API server process answers with the engine's eviction counters, and
+    per-request settings are checked in those processes too."""
+    from vllm_kvevict.eval.server import Server
+
+    with Server(model_path, *H2O_SERVER_ARGS, "--api-server-count", "2") as srv:
+        for i in range(4):  # spread over both API servers by the kernel's accept
+            r = srv.complete(f"{REFERENCE} {i}", max_tokens=120, ignore_eos=True)
+            assert r.status_code == 200, r.text
+        bad = srv.complete(REFERENCE, max_tokens=8, vllm_xargs={"kv_budget": -1})
+        assert bad.status_code == 400 and "kv_budget" in bad.text, bad.text
+        srv.wait_idle()
+        compactions = {srv.metric("vllm_kvevict_compactions_total") for _ in range(6)}
+        assert len(compactions) == 1 and compactions.pop() >= 4, compactions  # 4 x 120 > 64
+        assert srv.metric("vllm_kvevict_tokens_evicted_total") >= 4 * (120 - BUDGET)

@@ -212,3 +212,10 @@ def register_collector() -> None:
     ensure_metrics_dir()
     _collector = EvictionCollector()
     REGISTRY.register(_collector)
+
+
+def add_collector(registry) -> None:
+    """Add the collector to another registry: the one vLLM serves /metrics
+    from when several API servers share it (patches/metrics_registry.py)."""
+    ensure_metrics_dir()
+    registry.register(EvictionCollector())
