@@ -35,7 +35,7 @@ import time
 
 import pytest
 
-from vllm_kvevict.eval.server import free_port
+from vllm_kvevict.eval.server import free_port, session_processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 900  # a server's cold start on a busy 2-core machine took over 300 s once
@@ -67,27 +67,15 @@ def run_to_end(argv: list[str], timeout: float, **env) -> tuple[int, str, str]:
 def _stop_session(sid: int, grace_s: float = 30.0) -> None:
     """SIGTERM every process of session `sid` (a server the script's trap
     signalled may still be shutting down), SIGKILL what is left after grace_s."""
-    import psutil
-
-    def alive():
-        out = []
-        for p in psutil.process_iter():
-            try:
-                if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p)
-            except (psutil.Error, ProcessLookupError):
-                pass
-        return out
-
     deadline = time.monotonic() + grace_s
     sent = False
-    while (left := alive()) and time.monotonic() < deadline:
+    while (left := session_processes(sid)) and time.monotonic() < deadline:
         if not sent:
             for p in left:
                 p.send_signal(signal.SIGTERM)
             sent = True
         time.sleep(0.5)
-    for p in alive():
+    for p in session_processes(sid):
         p.kill()
 
 

@@ -48,6 +48,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def session_processes(sid: int) -> list:
+    """The live (not zombie) processes of session `sid` as psutil processes,
+    those whose parent died included (they keep the session)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (OSError, psutil.Error):
+            continue
+    return out
+
+
 class Server:
     def __init__(self, model: str, *args: str, stock: bool = False, env: dict | None = None,
                  start_timeout: float = 600.0, defaults: tuple[str, ...] = DEFAULT_ARGS):
@@ -102,17 +117,7 @@ class Server:
         """The live (not zombie) processes of this server's session, as psutil
         processes: the API server, its engine core, workers and helpers, and any
         of them left behind after their parent died (they keep the session)."""
-        import psutil
-
-        sid = self.proc.pid if self.proc else None
-        out = []
-        for p in psutil.process_iter():
-            try:
-                if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p)
-            except (OSError, psutil.Error):
-                continue
-        return out
+        return session_processes(self.proc.pid) if self.proc else []
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.proc is None:
