@@ -209,13 +209,14 @@ def register_collector() -> None:
         return
     from prometheus_client import REGISTRY
 
-    ensure_metrics_dir()
-    _collector = EvictionCollector()
-    REGISTRY.register(_collector)
+    _collector = add_collector(REGISTRY)
 
 
-def add_collector(registry) -> None:
-    """Add the collector to another registry: the one vLLM serves /metrics
-    from when several API servers share it (patches/metrics_registry.py)."""
+def add_collector(registry) -> EvictionCollector:
+    """A new collector, registered in `registry`: the default one
+    (register_collector), or one vLLM serves /metrics from when several API
+    servers share it (patches/metrics_registry.py)."""
     ensure_metrics_dir()
-    registry.register(EvictionCollector())
+    collector = EvictionCollector()
+    registry.register(collector)
+    return collector
