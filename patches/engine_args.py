@@ -51,7 +51,7 @@ def _ours(cfg: EvictionConfig) -> str:
 
 
 def refuse_unsupported(cfg: EvictionConfig, *, speculative: str | None, pipeline: int,
-                       async_scheduling: bool | None) -> None:
+                       async_scheduling: bool | None, kv_cache_dtype: str = "auto") -> None:
     """Stop startup when eviction/offload is on beside a setting it does not
     support; the message names the vLLM flag and ours."""
     if not cfg.enabled:
@@ -71,6 +71,14 @@ def refuse_unsupported(cfg: EvictionConfig, *, speculative: str | None, pipeline
             f"speculation), and the first layer of every stage after the first has that "
             f"layer in another process; use --tensor-parallel-size to split the model, "
             f"or eviction without offload (e.g. --kv-eviction h2o) at pipeline parallel")
+    if cfg.offload and kv_cache_dtype.startswith("fp8"):
+        # Eviction reads an fp8 cache (its float8 view, k_scale in the logits:
+        # cpu_backend.readable); offload's host decode recomputes attention from
+        # gathered K/V and its host tier holds the model dtype: not wired for fp8.
+        raise EvictionConfigError(
+            f"--kv-cache-dtype {kv_cache_dtype} is not supported with {ours}: offload's host "
+            f"tier and decode hold K/V in the model dtype; use --kv-cache-dtype auto with "
+            f"offload, or fp8 with eviction alone (e.g. --kv-eviction h2o)")
     if async_scheduling:
         raise EvictionConfigError(
             f"--async-scheduling is not supported with {ours}: it schedules step t+1, "
@@ -123,7 +131,8 @@ def apply() -> None:
         cfg = eviction_config(self.additional_config)
         refuse_unsupported(cfg, speculative=_speculative_flag(self),
                            pipeline=self.pipeline_parallel_size,
-                           async_scheduling=self.async_scheduling)
+                           async_scheduling=self.async_scheduling,
+                           kv_cache_dtype=str(self.kv_cache_dtype))
         if cfg.enabled:
             # None lets vLLM turn it on (CUDA); the user did not ask for it.
             self.async_scheduling = False
@@ -158,7 +167,8 @@ def apply() -> None:
             refuse_unsupported(
                 cfg, speculative="--speculative-config" if vllm_config.speculative_config
                 else None, pipeline=vllm_config.parallel_config.pipeline_parallel_size,
-                async_scheduling=vllm_config.scheduler_config.async_scheduling)
+                async_scheduling=vllm_config.scheduler_config.async_scheduling,
+                kv_cache_dtype=str(vllm_config.cache_config.cache_dtype))
         if cfg.offload:  # before any worker: they load the file, never compute it
             from vllm_kvevict.integration.offload_attention import check_skewing
 

@@ -104,10 +104,11 @@ void copy_tokens(const at::Tensor& cache, const at::Tensor& offsets, const Move&
 }
 
 void copy_cache(const at::Tensor& cache, const at::Tensor& offsets, const Move& m) {
-  switch (cache.element_size()) {
+  switch (cache.element_size()) {  // 1: an fp8 cache's bytes
+    case 1: copy_tokens<uint8_t>(cache, offsets, m); break;
     case 2: copy_tokens<uint16_t>(cache, offsets, m); break;
     case 4: copy_tokens<uint32_t>(cache, offsets, m); break;
-    default: TORCH_CHECK(false, "cache element size ", cache.element_size(), ": expected 2 or 4");
+    default: TORCH_CHECK(false, "cache element size ", cache.element_size(), ": expected 1, 2 or 4");
   }
 }
 
@@ -231,11 +232,13 @@ at::Tensor read_tokens(const at::Tensor& cache, const at::Tensor& offsets, const
   const int64_t* s = slots.data_ptr<int64_t>();
   at::Tensor out = at::empty({slots.size(0), h, slots.size(2), d}, cache.options());
   switch (cache.element_size()) {
+    case 1: read_tokens_as<uint8_t>(cache, offsets, s, reinterpret_cast<uint8_t*>(out.data_ptr()),
+                                    slots.size(0), h, slots.size(2)); break;
     case 2: read_tokens_as<uint16_t>(cache, offsets, s, reinterpret_cast<uint16_t*>(out.data_ptr()),
                                      slots.size(0), h, slots.size(2)); break;
     case 4: read_tokens_as<uint32_t>(cache, offsets, s, reinterpret_cast<uint32_t*>(out.data_ptr()),
                                      slots.size(0), h, slots.size(2)); break;
-    default: TORCH_CHECK(false, "cache element size ", cache.element_size(), ": expected 2 or 4");
+    default: TORCH_CHECK(false, "cache element size ", cache.element_size(), ": expected 1, 2 or 4");
   }
   return out;
 }

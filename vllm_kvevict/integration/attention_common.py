@@ -119,16 +119,19 @@ def write_kv(impl, layer, key, value, kv_cache, attn_metadata) -> None:
                                 attn_metadata.slot_mapping[:n])
 
 
-def score_step(impl, layer, query, kv_cache, attn_metadata, make_layout) -> None:
+def score_step(impl, layer, query, kv_cache, attn_metadata, make_layout,
+               scale: float | None = None) -> None:
     """Register the layer's cache with the worker state and hand this step's
     queries to the policy's recorder (integration/recorders.py), with the
-    placement the builder made for them (CPU logs, the query ring) if any."""
+    placement the builder made for them (CPU logs, the query ring) if any.
+    ``scale``: the logits' scale (default the layer's softmax scale)."""
     state = worker_state()
     if state is None or impl.attn_type != AttentionType.DECODER:
         return
     n = attn_metadata.num_actual_tokens
     lc = state.layer(layer.layer_name, kv_cache, make_layout)
-    state.recorder.record(layer.layer_name, lc, query[:n], kv_cache, impl.scale, attn_metadata,
+    state.recorder.record(layer.layer_name, lc, query[:n], kv_cache,
+                          impl.scale if scale is None else scale, attn_metadata,
                           getattr(attn_metadata, PLACEMENT_ATTR, None),
                           getattr(attn_metadata, SCORED_ATTR, None),
                           getattr(attn_metadata, HOST_ATTR, None) or HostLens(None, None))

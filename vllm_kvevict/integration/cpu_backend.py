@@ -28,7 +28,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from vllm_kvevict.core.layouts.cpu_layout import KVLayout
+from vllm_kvevict.core.layouts.cpu_layout import FP8_CACHE_DTYPES, KVLayout
 from vllm_kvevict.integration.attention_common import (
     LOG_ONLY_ATTR,
     PLACEMENT_ATTR,
@@ -51,7 +51,8 @@ def discover_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: in
 
 
 def layout_for_cache(kv_cache: torch.Tensor, isa: str) -> KVLayout:
-    """The layout of one CPU backend layer cache ``[NB, H, BS, 2*D]``."""
+    """The layout of one CPU backend layer cache ``[NB, H, BS, 2*D]`` (an fp8
+    cache as its float8 view: `EvictingCPUAttentionImpl.readable`)."""
     return KVLayout.for_cache(ops.cpu_attn_reshape_and_cache, kv_cache, isa)
 
 
@@ -92,6 +93,26 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
                             or self.sliding_window != -1 or self.sinks is not None):
             raise ValueError("--kv-eviction supports plain causal attention only "
                              "(no ALiBi, soft-cap, sliding window or sinks)")
+        # An fp8 cache is uint8 bytes to vLLM; the plugin reads it as float8.
+        self.kv_view_dtype = FP8_CACHE_DTYPES.get(self.kv_cache_dtype)
+        self._kv_view: torch.Tensor | None = None
+
+    def readable(self, layer, kv_cache: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """(the cache as the plugin reads it, the logits' scale). An fp8 cache
+        (`--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2`: uint8 bytes holding
+        float8 values over a per-layer k_scale / v_scale) is viewed as its
+        float8 dtype, so gathers decode it and moves copy its bytes, and
+        k_scale joins the softmax scale: logits = scale * q . (k_scale * k).
+        v_scale is left out: it scales a layer's values, and so every score of
+        AnDPro's projection in a (layer, head), alike, which keeps the same
+        tokens. The view is made once per cache tensor (`WorkerEviction.knows`
+        compares by identity)."""
+        if self.kv_view_dtype is None:
+            return kv_cache, self.scale
+        view = self._kv_view
+        if view is None or view.data_ptr() != kv_cache.data_ptr() or view.shape != kv_cache.shape:
+            view = self._kv_view = kv_cache.view(self.kv_view_dtype)
+        return view, self.scale * layer._k_scale_float
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -103,6 +124,7 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
         state = worker_state()
         if state is None:
             return out
+        kv_cache, scale = self.readable(layer, kv_cache)
         known = state.knows(layer.layer_name, kv_cache)
         if known and not state.recorder.scoring and not state.cfg.offload:
             # The policy records nothing (streaming: it keeps tokens by age) and
@@ -112,10 +134,10 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
         if log is not None and self.attn_type == AttentionType.DECODER and known:
             # All this step asks of the layer is its queries (decided once, by
             # the builder): no per-layer dispatch (QueryBuffers.hold_ref).
-            log.hold_ref(layer.layer_name, query[: attn_metadata.num_actual_tokens], self.scale)
+            log.hold_ref(layer.layer_name, query[: attn_metadata.num_actual_tokens], scale)
             return out
         make_layout = lambda kv: layout_for_cache(kv, layer.isa)  # noqa: E731
-        score_step(self, layer, query, kv_cache, attn_metadata, make_layout)
+        score_step(self, layer, query, kv_cache, attn_metadata, make_layout, scale)
         if state.host is not None and state.cfg.offload:
             lc = state.layer(layer.layer_name, kv_cache, make_layout)
             host_decode(state, layer, query, kv_cache, attn_metadata, output, lc.layout)

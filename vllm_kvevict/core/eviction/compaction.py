@@ -119,6 +119,8 @@ def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, scores: torc
         mover.copy_blocks(key_cache, value_cache, src, dst)
     else:
         for cache in (key_cache, value_cache):
+            if cache.element_size() == 1:
+                cache = cache.view(torch.uint8)  # float8 (an fp8 cache) has no index_copy_
             cache.index_copy_(0, dst, cache.index_select(0, src))
     if scores is not None:
         cols = torch.arange(block_size, device=scores.device)

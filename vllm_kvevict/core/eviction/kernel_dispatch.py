@@ -90,6 +90,8 @@ def cpu_kernel_isa(queries: torch.Tensor, keys: torch.Tensor, layout=None) -> st
 
     if mode() == "torch" or keys.device.type != "cpu" or queries.shape[-1] % 2:
         return None
+    if keys.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return None  # an fp8 cache (its float8 view): torch decodes it
     if layout is not None and (not isinstance(layout, KVLayout) or layout.k_tiles is None
                                or layout.block_size % 16):
         return None
@@ -184,10 +186,11 @@ def _torch_gemms_full_width() -> bool:
 
 def cpu_token_mover(layout, cache: torch.Tensor):
     """The compiled CPU kernel's module when it moves tokens of `cache` (the
-    CPU backend's paged cache, `KVLayout`, bf16/fp16/fp32), else None (torch)."""
+    CPU backend's paged cache, `KVLayout`, bf16/fp16/fp32 or an fp8 cache's
+    float8 view: the mover copies elements as bytes), else None (torch)."""
     from vllm_kvevict.core.layouts.cpu_layout import KVLayout
 
-    if not isinstance(layout, KVLayout) or cache.element_size() not in (2, 4):
+    if not isinstance(layout, KVLayout) or cache.element_size() not in (1, 2, 4):
         return None
     return cpu_copier(cache)
 

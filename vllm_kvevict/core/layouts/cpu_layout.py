@@ -23,9 +23,21 @@ import torch
 
 # Code digits are 0..255: bf16 holds integers exactly only up to 256.
 _BASE = 256
+# fp8 caches (vLLM's `--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2`, which the CPU
+# writer stores as uint8 bytes in the float8 bit formats): digits 0..7, the
+# integers e5m2 still holds exactly (e4m3 holds 0..16).
+_FP8_BASE = 8
+FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                    "fp8_e5m2": torch.float8_e5m2}
+
+
+def cache_dtype_name(dtype: torch.dtype) -> str:
+    """vLLM's `kv_cache_dtype` string for a typed cache view's dtype."""
+    return {torch.float8_e4m3fn: "fp8", torch.float8_e5m2: "fp8_e5m2"}.get(dtype, "auto")
 
 # vLLM's cpu_attn_reshape_and_cache(key, value, key_cache, value_cache,
-# slot_mapping, isa): key/value (T, H, D), caches as ``split_kv_cache`` gives them.
+# slot_mapping, isa[, kv_cache_dtype=...]): key/value (T, H, D), caches as
+# ``split_kv_cache`` gives them (uint8 for an fp8 cache).
 StockWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                         torch.Tensor, str], None]
 
@@ -47,19 +59,30 @@ def token_slots(blocks: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
 def _stock_map(write: StockWriter, isa: str, dtype: torch.dtype, bs: int, d: int, h: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-block maps ``[H, BS, D]`` -> flat logical index into ``cache[b]``
-    (i.e. ``h*BS*D + row*D + col``) where the stock writer puts each element."""
+    (i.e. ``h*BS*D + row*D + col``) where the stock writer puts each element.
+
+    For a float8 ``dtype`` (the typed view of an fp8 cache) the writer gets
+    bf16 tokens and a uint8 cache with ``kv_cache_dtype``, as vLLM calls it."""
     n = h * bs * d
+    fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    base = _FP8_BASE if fp8 else _BASE
     code = torch.arange(n).view(h, bs, d)
     dec = [torch.zeros(h, bs, d, dtype=torch.long) for _ in range(2)]
     hit = [torch.ones(h, bs, d, dtype=torch.bool) for _ in range(2)]
-    for p in range(max(1, math.ceil(math.log(n, _BASE)))):
-        digit = ((code // _BASE**p) % _BASE).to(dtype).transpose(0, 1).contiguous()
+    for p in range(max(1, math.ceil(math.log(n, base)))):
+        digit = ((code // base**p) % base).transpose(0, 1).contiguous()
         kv = torch.full((1, h, bs, 2 * d), -1.0, dtype=dtype)  # -1 = never written
         kc, vc = split_kv_cache(kv)
-        write(digit, digit, kc, vc, torch.arange(bs), isa)
-        for i, c in enumerate((kc[0], vc[0])):
+        if fp8:
+            digit = digit.to(torch.bfloat16)
+            kcu, vcu = split_kv_cache(kv.view(torch.uint8))
+            write(digit, digit, kcu, vcu, torch.arange(bs), isa,
+                  kv_cache_dtype=cache_dtype_name(dtype))
+        else:
+            write(digit.to(dtype), digit.to(dtype), kc, vc, torch.arange(bs), isa)
+        for i, c in enumerate((kc[0].float(), vc[0].float())):
             hit[i] &= c >= 0
-            dec[i] += c.clamp(min=0).long() * _BASE**p
+            dec[i] += c.clamp(min=0).long() * base**p
     maps = []
     for i, name in enumerate("KV"):
         src = dec[i][hit[i]]
