@@ -200,20 +200,21 @@ def fresh_engines(engines):
 _STOCK: dict = {}
 
 
-def stock_ids(model_path: str, dtype: str) -> list[list[int]]:
+def stock_ids(model_path: str, dtype: str, kv_cache_dtype: str = "auto") -> list[list[int]]:
     """Stock vLLM's greedy tokens for PROMPTS (STOCK_TOKENS each, ignore_eos), in
     a subprocess with the plugin not loaded at all (VLLM_PLUGINS=""); once per
-    dtype per session."""
-    if dtype not in _STOCK:
+    (dtype, kv_cache_dtype) per session."""
+    key = (dtype, kv_cache_dtype)
+    if key not in _STOCK:
         proc = subprocess.run(
             [sys.executable, os.path.join(HERE, "stock_generate.py"), model_path,
-             str(STOCK_TOKENS), "32", dtype, str(kv_bytes(dtype))],
+             str(STOCK_TOKENS), "32", dtype, str(kv_bytes(dtype)), kv_cache_dtype],
             input=json.dumps(PROMPTS), capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         ids = json.loads(proc.stdout.split("IDS=")[-1])
         assert [len(x) for x in ids] == [STOCK_TOKENS] * len(PROMPTS)
-        _STOCK[dtype] = ids
-    return _STOCK[dtype]
+        _STOCK[key] = ids
+    return _STOCK[key]
 
 
 # The suite's plugin server: test_server.py, test_load.py, test_soak.py and the plugin's first
