@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 RESULT_MARKER = "@@KVEVICT_RESULT@@ "  # a child process's result line on stdout
-KV_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
+KV_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4, "fp8": 1}
 CATEGORIES = ("scoring", "compaction", "bookkeeping")
 
 

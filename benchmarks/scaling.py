@@ -147,7 +147,8 @@ def engine_config(policy: str, ctx: int, max_batch: int, args) -> dict:
     # max_model_len request; + 1 null block + 2 spare.
     blocks = max(max_batch * max(blocks_per_req, 2), MAX_MODEL_LEN // BLOCK_SIZE) + 3
     return dict(policy=policy, ctx=ctx, max_batch=max_batch, model=args.model,
-                dtype=args.dtype, decode=args.decode, pool_blocks=blocks,
+                dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, decode=args.decode,
+                pool_blocks=blocks,
                 max_num_batched_tokens=max(max_batch * ctx, MAX_MODEL_LEN))
 
 
@@ -194,8 +195,10 @@ def build_engine(cfg: dict):
     additional = {}
     if cfg["policy"] != "none":
         additional = {"kv_eviction": cfg["policy"], "kv_budget": cfg["ctx"]}
-    bpt = kv_bytes_per_token(cfg["model"], cfg["dtype"])
+    kv_dtype = cfg.get("kv_cache_dtype", "auto")
+    bpt = kv_bytes_per_token(cfg["model"], cfg["dtype"] if kv_dtype == "auto" else "fp8")
     return LLM(cfg["model"], enforce_eager=True, dtype=cfg["dtype"], block_size=BLOCK_SIZE,
+               kv_cache_dtype=kv_dtype,
                max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False, seed=0,
                max_num_seqs=cfg["max_batch"],
                max_num_batched_tokens=cfg["max_num_batched_tokens"],
@@ -576,7 +579,8 @@ def report(results, skipped, args, wall: float, cmd: str) -> str:
            f"command: `{cmd}`  ",
            f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}; host {platform.node()}, "
            f"{_cpu_model()}, affinity {sorted(os.sched_getaffinity(0))}  ",
-           f"model {Path(args.model).name}, {args.dtype}, block {BLOCK_SIZE}, max_model_len "
+           f"model {Path(args.model).name}, {args.dtype}, KV cache {args.kv_cache_dtype}, "
+           f"block {BLOCK_SIZE}, max_model_len "
            f"{MAX_MODEL_LEN}, enforce_eager, prefix caching off, greedy, ignore_eos; "
            f"{args.decode} decode tokens per request; plugin budget = ctx  ",
            f"plugin source (git/sha1): {', '.join(heads) or '-'}  ",
@@ -629,6 +633,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="runs of every point, stock and plugin alternating; the fastest "
                         "mean decode step of each side is reported (default 1)")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e5m2"],
+                   help="KV cache dtype of every engine, stock and plugin (fp8: vLLM's CPU "
+                        "backend needs AVX-512)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: batches 1 4, contexts 256 512, decode 96")
     p.add_argument("--json", metavar="OUT.json", help="write raw results")
