@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import vllm._custom_ops as ops  # a missing vLLM fails, never skips
-from conftest import (DTYPE, PROMPTS, STOCK_TOKENS, engine_settings,
+from conftest import (DTYPE, PROMPTS, STOCK_TOKENS, engine_settings, kernel_isas,
                       needs_stock_writer, serve_config, stock_ids)
 
 from vllm_kvevict.core.eviction.planner import max_blocks_per_request
@@ -152,16 +152,30 @@ def test_fp8_compaction_moves_bytes_the_stock_kernel_reads(name, kernels, monkey
                                atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("path", [*kernel_isas(), "torch"])
+@pytest.mark.parametrize("layout", ["vec", "amx"])
 @pytest.mark.parametrize("name", NAMES)
-def test_fp8_h2o_scores_match_float32_reference_with_k_scale(name):
+def test_fp8_h2o_scores_match_float32_reference_with_k_scale(name, layout, path, monkeypatch):
     """H2O's scores from an fp8 cache written with k_scale 0.5: the impl's
     `readable` hands scoring the float8 view (one view per cache tensor) and
-    the softmax scale times k_scale; `score_queries` over them equals float32
-    softmax attention over the decoded keys times k_scale, summed per slot."""
+    the softmax scale times k_scale; `score_queries` over them, on each path
+    of the compiled kernel (the cache's bytes decoded into its operands; amx
+    hands fp8 to avx512bf16) and in torch, equals float32 softmax attention
+    over the decoded keys times k_scale, summed per slot; in vLLM's vec and
+    amx fp8 layouts (the cache as vLLM's writer packs it for each)."""
+    from vllm_kvevict import cpu_kernel
     from vllm_kvevict.core.scoring.scores import score_queries
     from vllm_kvevict.integration.cpu_backend import EvictingCPUAttentionImpl
 
-    needs_fp8()
+    needs_fp8(layout)
+    if path == "torch":
+        monkeypatch.setenv("VLLM_KVEVICT_KERNELS", "torch")
+    else:
+        monkeypatch.setenv("VLLM_KVEVICT_CPU_ISA", path)
+    ran = []
+    monkeypatch.setattr(cpu_kernel, "module", lambda m=cpu_kernel.module(): SimpleNamespace(
+        supports=m.supports, column_sums=lambda *a: ran.append(a[-1]) or m.column_sums(*a),
+        add_column_sums=lambda *a: ran.append(a[-1]) or m.add_column_sums(*a)))
     fp8 = FP8_CACHE_DTYPES[name]
     gen = torch.Generator().manual_seed(9)
     impl = object.__new__(EvictingCPUAttentionImpl)  # what __init__ sets for readable
@@ -176,10 +190,10 @@ def test_fp8_h2o_scores_match_float32_reference_with_k_scale(name):
     blocks = torch.tensor([[3, 8, 5]])
     slots = blocks[0, torch.arange(n) // BS] * BS + torch.arange(n) % BS
     k = _fp8_tokens(n, fp8, gen, scale=0.5)  # stored as k / 0.5: exact in fp8
-    _write(k, k, raw, slots, "vec", name, k_scale=0.5, v_scale=0.5)
+    _write(k, k, raw, slots, layout, name, k_scale=0.5, v_scale=0.5)
     kc, _ = split_kv_cache(view)
-    L = discover_layout("vec", fp8, BS, D, H)
-    q = torch.randn(1, 4, 2 * H, D, generator=gen)  # 4 queries, GQA group 2
+    L = discover_layout(layout, fp8, BS, D, H)
+    q = torch.randn(1, 4, 2 * H, D, generator=gen).to(torch.bfloat16)  # 4 queries, GQA 2
     visible = torch.tensor([[n - 3, n - 2, n - 1, n]])
     scores = torch.zeros(H, NB * BS)
     score_queries(scores, L, kc, q, visible, blocks, scale)
@@ -188,8 +202,9 @@ def test_fp8_h2o_scores_match_float32_reference_with_k_scale(name):
     kf = k.float().transpose(0, 1).repeat_interleave(2, 0)  # (H_q, n, D) true keys
     for t in range(4):
         m = int(visible[0, t])
-        p = ((q[0, t][:, None] @ kf[:, :m].transpose(1, 2))[:, 0] * D**-0.5).softmax(-1)
+        p = ((q[0, t].float()[:, None] @ kf[:, :m].transpose(1, 2))[:, 0] * D**-0.5).softmax(-1)
         ref[:, slots[:m]] += p.view(H, 2, m).sum(1)
+    assert ran == ([] if path == "torch" else ["avx512bf16" if path == "amx" else path])
     assert float(scores.sum()) > 0
     torch.testing.assert_close(scores, ref, atol=1e-5, rtol=1e-5)
 

@@ -18,19 +18,24 @@
 //               both: bf16 products are exact in float32 and accumulated in
 //               float32, so the logits are float32-accurate
 //   avx2        any cache dtype widened to float32, FMA (float32 throughout)
-// Softmax, exp and the column sums are float32 on all three.
+// Softmax, exp and the column sums are float32 on all three. An fp8 cache (its
+// float8_e4m3fn / float8_e5m2 view) runs avx512bf16 or avx2: every float8
+// value is exact in bf16, so its keys are decoded into the same operands.
 //
 // AnDPro's window scores (A V and its projections) live in window_projection.h,
 // included near the end of this file; compaction's copies in token_moves.h.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -101,6 +106,19 @@ template <typename T>
 inline const T* key_base(const Work& w, int64_t r, int64_t h, int64_t t) {
   const int64_t blk = w.blocks[r * w.nblk + t / w.bs];
   return w.cache.data_ptr<T>() + blk * w.cache.stride(0) + h * w.cache.stride(1);
+}
+
+// bf16 bits of every float8 byte: exact (e4m3 has 4 exponent and 3 mantissa
+// bits, e5m2 5 and 2; bf16 8 and 7), NaN and the e5m2 infinities included.
+template <typename F8>
+const uint16_t* fp8_to_bf16() {
+  static const std::array<uint16_t, 256> table = [] {
+    std::array<uint16_t, 256> t{};
+    for (int b = 0; b < 256; ++b)
+      t[b] = c10::BFloat16(static_cast<float>(F8(static_cast<uint8_t>(b), F8::from_bits()))).x;
+    return t;
+  }();
+  return table.data();
 }
 
 // ---------------------------------------------------------------- avx512bf16
@@ -199,6 +217,33 @@ void pack_bf16(const Work& w, int64_t r, int64_t h, int64_t n, uint16_t* out) {
   }
 }
 
+// pack_bf16 for an fp8 cache: each byte decoded through fp8_to_bf16, element
+// by element through the discovered map (vLLM's fp8 layouts are not the
+// bf16 ones: its amx fp8 K holds two bytes per 16-bit lane).
+template <typename F8>
+void pack_fp8(const Work& w, int64_t r, int64_t h, int64_t n, uint16_t* out) {
+  const int64_t d = w.d;
+  const uint16_t* bf16 = fp8_to_bf16<F8>();
+  for (int64_t c = 0; c < n / 16; ++c) {
+    const int64_t t = c * 16;
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(key_base<F8>(w, r, h, t));
+    uint16_t* dst = out + c * 16 * d;
+    for (int64_t i = 0; i < 16; ++i)
+      for (int64_t k = 0; k < d; ++k)
+        dst[(k / 2) * 32 + i * 2 + (k % 2)] = bf16[src[w.tiles.at((t + i) % w.bs, k)]];
+  }
+}
+
+// Keys [0, n) of (r, h) as vdpbf16ps operands, from whichever cache dtype
+// the bf16 path takes.
+void pack_keys_bf16(const Work& w, int64_t r, int64_t h, int64_t n, uint16_t* out) {
+  switch (w.cache.scalar_type()) {
+    case at::kFloat8_e4m3fn: pack_fp8<c10::Float8_e4m3fn>(w, r, h, n, out); break;
+    case at::kFloat8_e5m2: pack_fp8<c10::Float8_e5m2>(w, r, h, n, out); break;
+    default: pack_bf16(w, r, h, n, out);
+  }
+}
+
 // Logits of ROWS query rows against NC chunks of 16 packed keys:
 // out[j * ld + c * 16 + i] = q_j . k_(c*16+i) (unscaled). Each key vector loaded
 // serves ROWS rows and each broadcast query pair NC chunks. With `lo` (not
@@ -233,7 +278,7 @@ void run_bf16(const Work& w, const at::Tensor& q, int64_t r, int64_t h, int64_t 
   const int64_t d = w.d, hp = d / 2;
   const int64_t hi = (*std::max_element(rows.vis.begin(), rows.vis.end()) + 15) / 16 * 16;
   std::vector<uint16_t> keys(hi * d);
-  pack_bf16(w, r, h, hi, keys.data());
+  pack_keys_bf16(w, r, h, hi, keys.data());
   std::vector<float> logits(ROWS * hi);
   std::vector<int32_t> qp(ROWS * hp);
   const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
@@ -578,13 +623,16 @@ at::Tensor column_sums_impl(const at::Tensor& key_cache, const at::Tensor& block
   TORCH_CHECK(visible.numel() == 0 || visible.max().item<int64_t>() <= nblk * bs,
               "a query sees past its row's blocks");
   const bool amx = isa == "amx", bf16 = amx || isa == "avx512bf16";
-  TORCH_CHECK(!bf16 || (key_cache.scalar_type() == at::kBFloat16 && queries.scalar_type() == at::kBFloat16),
-              "the ", isa, " path takes a bf16 cache and bf16 queries");
+  const at::ScalarType kt = key_cache.scalar_type();
+  const bool fp8 = kt == at::kFloat8_e4m3fn || kt == at::kFloat8_e5m2;
+  TORCH_CHECK(!bf16 || ((kt == at::kBFloat16 || (fp8 && !amx)) && queries.scalar_type() == at::kBFloat16),
+              "the ", isa, " path takes bf16 queries and a bf16 cache",
+              amx ? "" : " (or an fp8 cache's float8 view)");
   TORCH_CHECK(!amx || (d % 32 == 0 && d <= 128), "the amx path takes head sizes 32, 64, 96, 128");
-  TORCH_CHECK(bf16 || queries.scalar_type() == key_cache.scalar_type() || queries.scalar_type() == at::kFloat,
+  TORCH_CHECK(bf16 || queries.scalar_type() == kt || queries.scalar_type() == at::kFloat,
               "queries: the cache dtype or float32");
-  TORCH_CHECK(key_cache.scalar_type() == at::kBFloat16 || key_cache.scalar_type() == at::kHalf ||
-              key_cache.scalar_type() == at::kFloat, "cache dtype: bf16, fp16 or float32");
+  TORCH_CHECK(kt == at::kBFloat16 || kt == at::kHalf || kt == at::kFloat || fp8,
+              "cache dtype: bf16, fp16, float32, float8_e4m3fn or float8_e5m2");
   const bool scatter = scores.has_value();
   float* sc = nullptr;
   int64_t slots = 0;  // row stride of scores
@@ -619,6 +667,10 @@ at::Tensor column_sums_impl(const at::Tensor& key_cache, const at::Tensor& block
     } else if (key_cache.scalar_type() == at::kHalf) {
       queries.scalar_type() == at::kFloat ? run_f32<at::Half, float>(w, queries, row, head, s, splits, col)
                                           : run_f32<at::Half, at::Half>(w, queries, row, head, s, splits, col);
+    } else if (kt == at::kFloat8_e4m3fn) {
+      run_f32<c10::Float8_e4m3fn, float>(w, queries, row, head, s, splits, col);
+    } else if (kt == at::kFloat8_e5m2) {
+      run_f32<c10::Float8_e5m2, float>(w, queries, row, head, s, splits, col);
     } else {
       run_f32<float, float>(w, queries, row, head, s, splits, col);
     }

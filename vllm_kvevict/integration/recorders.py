@@ -209,10 +209,14 @@ class StackContext:
         mover = cpu_token_mover(st.layout, kc)
         if mover is not None and hasattr(mover, "read_tokens"):  # one pass, in C++
             offsets = st.layout.element_offsets(kc, vc)[1 if values else 0]
-            return mover.read_tokens(vc if values else kc, offsets, self._slots_by_age())
-        x = (st.layout.gather_values(vc, self.src_rows, n) if values
-             else st.layout.gather_keys(kc, self.src_rows, n))
-        return by_age(x[:, :, : self.old_len], self.rows)
+            x = mover.read_tokens(vc if values else kc, offsets, self._slots_by_age())
+        else:
+            x = (st.layout.gather_values(vc, self.src_rows, n) if values
+                 else st.layout.gather_keys(kc, self.src_rows, n))
+            x = by_age(x[:, :, : self.old_len], self.rows)
+        # An fp8 cache's float8 values are exact in bf16, which the scoring
+        # paths (and their compiled kernels) take.
+        return x.to(torch.bfloat16) if x.element_size() == 1 else x
 
     def _slots_by_age(self) -> torch.Tensor:
         """(L, H, old_len) int64 slot of each token, oldest first (K and V share it)."""

@@ -90,8 +90,9 @@ def cpu_kernel_isa(queries: torch.Tensor, keys: torch.Tensor, layout=None) -> st
 
     if mode() == "torch" or keys.device.type != "cpu" or queries.shape[-1] % 2:
         return None
-    if keys.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return None  # an fp8 cache (its float8 view): torch decodes it
+    fp8 = keys.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)  # an fp8 cache's view
+    if keys.dtype not in (torch.bfloat16, torch.float16, torch.float32) and not fp8:
+        return None
     if layout is not None and (not isinstance(layout, KVLayout) or layout.k_tiles is None
                                or layout.block_size % 16):
         return None
@@ -99,9 +100,10 @@ def cpu_kernel_isa(queries: torch.Tensor, keys: torch.Tensor, layout=None) -> st
 
     isa = cpu_kernel.isa()
     d = queries.shape[-1]
-    if isa == "amx" and (d % 32 or d > 128):
-        isa = "avx512bf16"
-    if isa in ("amx", "avx512bf16") and not (queries.dtype == keys.dtype == torch.bfloat16):
+    if isa == "amx" and (d % 32 or d > 128 or fp8):
+        isa = "avx512bf16"  # (fp8 keys: decoded to bf16 in the vdpbf16ps path)
+    if isa in ("amx", "avx512bf16") and not (
+            queries.dtype == torch.bfloat16 and (keys.dtype == torch.bfloat16 or fp8)):
         isa = "avx2"
     return isa if isa is None or cpu_kernel.module().supports(isa) else None
 
