@@ -217,17 +217,46 @@ void pack_bf16(const Work& w, int64_t r, int64_t h, int64_t n, uint16_t* out) {
   }
 }
 
-// pack_bf16 for an fp8 cache: each byte decoded through fp8_to_bf16, element
-// by element through the discovered map (vLLM's fp8 layouts are not the
-// bf16 ones: its amx fp8 K holds two bytes per 16-bit lane).
+// 32 float8 bytes -> their 32 bf16 bit patterns: the 7-bit magnitude looked
+// up in fp8_to_bf16's first 128 entries (two vpermt2w of 64, then a blend),
+// the sign moved to bf16's sign bit (table[b | 0x80] == table[b] | 0x8000).
+inline __m512i fp8x32_to_bf16(__m256i bytes, const __m512i lut[4]) {
+  const __m512i x = _mm512_cvtepu8_epi16(bytes);
+  const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi16(0x7F));
+  const __m512i lo = _mm512_permutex2var_epi16(lut[0], mag, lut[1]);
+  const __m512i hi = _mm512_permutex2var_epi16(lut[2], mag, lut[3]);
+  const __mmask32 upper = _mm512_test_epi16_mask(mag, _mm512_set1_epi16(0x40));
+  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8);
+  return _mm512_or_si512(_mm512_mask_blend_epi16(upper, lo, hi), sign);
+}
+
+// pack_bf16 for an fp8 cache, each byte decoded to bf16: vLLM's vec layout
+// (a dim's tokens contiguous) 32 bytes at a time, then interleaved as
+// pack_bf16 does; any other layout element by element through the
+// discovered map (vLLM's amx fp8 K holds two bytes per 16-bit lane, not
+// pack_bf16's amx format).
 template <typename F8>
 void pack_fp8(const Work& w, int64_t r, int64_t h, int64_t n, uint16_t* out) {
   const int64_t d = w.d;
   const uint16_t* bf16 = fp8_to_bf16<F8>();
+  __m512i lut[4];
+  for (int i = 0; i < 4; ++i) lut[i] = _mm512_loadu_si512(bf16 + 32 * i);
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int64_t c = 0; c < n / 16; ++c) {
     const int64_t t = c * 16;
     const uint8_t* src = reinterpret_cast<const uint8_t*>(key_base<F8>(w, r, h, t));
     uint16_t* dst = out + c * 16 * d;
+    if (w.tiles.rows) {
+      const uint8_t* base = src + t % w.bs;
+      for (int64_t p = 0; p < d / 2; ++p) {
+        const __m128i a = _mm_loadu_si128((const __m128i*)(base + 2 * p * w.bs));
+        const __m128i b = _mm_loadu_si128((const __m128i*)(base + (2 * p + 1) * w.bs));
+        const __m512i ab = fp8x32_to_bf16(_mm256_set_m128i(b, a), lut);
+        _mm512_storeu_si512(dst + p * 32, _mm512_permutexvar_epi16(idx, ab));
+      }
+      continue;
+    }
     for (int64_t i = 0; i < 16; ++i)
       for (int64_t k = 0; k < d; ++k)
         dst[(k / 2) * 32 + i * 2 + (k % 2)] = bf16[src[w.tiles.at((t + i) % w.bs, k)]];
