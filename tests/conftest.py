@@ -244,10 +244,11 @@ _GROUP_OF = {f: g for g, files in GROUPS.items() for f in files}
 # Ray 56 s, measured alone) and test_pipeline_serve.py took 118 s, both while
 # another job loaded the cores. test_examples.py: 264 s and test_seeded_sampling.py
 # 47 s alone (-n0) on 2 idle cores (2026-11-29); h2o_server +55 s that day (a
-# second server, two API servers).
+# second server, two API servers). test_fp8_cache.py: 95 s alone (-n0) while a
+# benchmark shared the cores (2026-11-29).
 GROUP_SECONDS = {"tensor_parallel": 342, "h2o_server": 291, "calibrated": 140,
                  "test_pipeline_serve.py": 118, "test_examples.py": 264,
-                 "test_seeded_sampling.py": 47,
+                 "test_seeded_sampling.py": 47, "test_fp8_cache.py": 95,
                  "test_engine.py": 100, "test_eval_smoke.py": 56,
                  "test_window_reference.py": 51, "test_infinigen_dense.py": 36,
                  "test_h2o_reference.py": 36, "test_prompt_modules_security.py": 33,
