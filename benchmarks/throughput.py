@@ -130,7 +130,8 @@ def run_config(cfg: dict) -> dict:
 
     t0 = time.perf_counter()
     blocks = math.ceil(cfg["pool_tokens"] / cfg["block_size"])
-    bpt = kv_bytes_per_token(cfg["model"], cfg["dtype"])
+    kv_dtype = cfg.get("kv_cache_dtype", "auto")
+    bpt = kv_bytes_per_token(cfg["model"], cfg["dtype"] if kv_dtype == "auto" else "fp8")
     pool_bytes = blocks * cfg["block_size"] * bpt
     additional = {"kv_eviction": cfg["policy"]}
     if cfg["policy"] != "none":
@@ -139,6 +140,7 @@ def run_config(cfg: dict) -> dict:
         cfg["model"],
         enforce_eager=True,
         dtype=cfg["dtype"],
+        kv_cache_dtype=kv_dtype,
         block_size=cfg["block_size"],
         max_model_len=cfg["max_model_len"],
         kv_cache_memory_bytes=pool_bytes,
@@ -647,6 +649,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=None, help="default 1024")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e5m2"],
+                   help="KV cache dtype of every engine; the pools stay in tokens, so fp8 "
+                        "holds them in half the bytes (vLLM's CPU backend needs AVX-512)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="disable vLLM prefix caching (default: vLLM's default, on)")
     p.add_argument("--ample-requests", type=int, default=None, help="default 16")
@@ -714,7 +719,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def configs(args, model: str) -> tuple[list[dict], list[dict]]:
     common = dict(model=model, block_size=args.block_size, max_model_len=args.max_model_len,
-                  dtype=args.dtype, recent=args.recent, prompt_len=args.prompt_len,
+                  dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, recent=args.recent,
+                  prompt_len=args.prompt_len,
                   warmup=not args.no_warmup, no_prefix_caching=args.no_prefix_caching)
     pol = [(p, None) for p in args.policies if p == "none"]
     pol += [(p, b) for p in args.policies if p != "none" for b in args.budgets]
@@ -753,7 +759,7 @@ def main(argv=None) -> int:
         from vllm_kvevict.models import ensure_smollm2
 
         args.model = ensure_smollm2()
-    bpt = kv_bytes_per_token(args.model, args.dtype)
+    bpt = kv_bytes_per_token(args.model, args.dtype if args.kv_cache_dtype == "auto" else "fp8")
     constrained, ample = configs(args, args.model)
     print(f"[throughput] model {args.model}: {bpt} KV bytes/token; "
           f"{len(constrained) + len(ample)} runs", file=sys.stderr, flush=True)
@@ -772,7 +778,8 @@ def main(argv=None) -> int:
     print(f"\n## KV eviction throughput ({'quick' if args.quick else 'full'})\n")
     print(f"command: `{cmd}`  ")
     print(f"host: {platform.node()}, {os.cpu_count()} CPUs, python {platform.python_version()}; "
-          f"model {Path(args.model).name}, {args.dtype}, block {args.block_size}, "
+          f"model {Path(args.model).name}, {args.dtype}, KV cache {args.kv_cache_dtype}, "
+          f"block {args.block_size}, "
           f"max_model_len {args.max_model_len}, enforce_eager, temperature 0, ignore_eos  ")
     if len({x for pair in shas for x in pair}) > 1:
         print("**WARNING: the plugin source changed during this run; rows were measured "
