@@ -36,6 +36,7 @@ tests/test_import_graph.py fails on a private name used there but not here):
 | integration/prompt_modules.py | BaseRenderer._executor                    | the tokenizer thread: PML work runs there, off the event loop, never racing vLLM's tokenization |
 | integration/worker.py         | GPUModelRunner.requests[id].block_ids, .input_batch.req_ids | which blocks a request holds and the batch's row order |
 | integration/cpu_backend.py, cuda_backend.py | kvevict_decode_placement, kvevict_scored_rows, kvevict_host_lens (stamped on attention metadata) | the step's row placement for the score path, built once per step |
+| integration/cpu_backend.py    | Attention._k_scale_float (read)          | an fp8 cache's key scale, folded into the logits' scale as vLLM's CPU backend passes it to its kernels |
 | probe.py (the demo, the harness, tests, benchmarks) | Scheduler.schedule / _preempt_request wrapped on one instance, _unprobed (stamped) | sample vLLM's own block accounting each step |
 """
 
