@@ -100,22 +100,26 @@ def _stock_attention(isa, name, q, kc_u8, vc_u8, table, seq_lens):
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
+@pytest.mark.parametrize("isa", ["vec", "amx"])
 @pytest.mark.parametrize("name", NAMES)
-def test_fp8_compaction_moves_bytes_the_stock_kernel_reads(name, kernels, monkeypatch):
+def test_fp8_compaction_moves_bytes_the_stock_kernel_reads(name, isa, kernels, monkeypatch):
     """The plugin's compaction (`fill_holes`, with a copy-on-write first block)
-    on the float8 view, through the compiled token mover (auto) and torch: the
-    cache's bytes then equal vLLM's writer storing each kept token where
-    fill_holes says it went, another request's block is untouched, and vLLM's
-    fp8 attention kernel over the compacted request equals float32 attention
-    over each head's kept tokens."""
+    on the float8 view, through the compiled token mover (auto) and torch, in
+    vLLM's vec and amx fp8 layouts: the cache's bytes then equal vLLM's writer
+    storing each kept token where fill_holes says it went, another request's
+    block is untouched, and vLLM's fp8 attention kernel over the compacted
+    request equals float32 attention over each head's kept tokens (the amx
+    kernel only on a CPU with AMX)."""
+    from conftest import cpu_has_amx
+
     from vllm_kvevict.core.eviction.compaction import fill_holes
     from vllm_kvevict.core.eviction.kernel_dispatch import cpu_token_mover
 
-    needs_fp8()
+    needs_fp8(isa)
     monkeypatch.setenv("VLLM_KVEVICT_KERNELS", kernels)
     fp8 = FP8_CACHE_DTYPES[name]
     gen = torch.Generator().manual_seed(5)
-    L = discover_layout("vec", fp8, BS, D, H)
+    L = discover_layout(isa, fp8, BS, D, H)
     raw, (kc, vc) = _cache(fp8)
     if kernels == "auto":
         assert cpu_token_mover(L, kc) is not None, "the compiled mover is not built"
@@ -124,9 +128,9 @@ def test_fp8_compaction_moves_bytes_the_stock_kernel_reads(name, kernels, monkey
     dst = torch.tensor([[7, 1]])  # block 0 shared: kept tokens go to a private copy, 7
     k, v = _fp8_tokens(n_old, fp8, gen), _fp8_tokens(n_old, fp8, gen)
     old_slots = (src[0, torch.arange(n_old) // BS] * BS + torch.arange(n_old) % BS)
-    _write(k, v, raw, old_slots, "vec", name)
+    _write(k, v, raw, old_slots, isa, name)
     neighbour = _fp8_tokens(BS, fp8, gen)
-    _write(neighbour, neighbour, raw, 4 * BS + torch.arange(BS), "vec", name)
+    _write(neighbour, neighbour, raw, 4 * BS + torch.arange(BS), isa, name)
     keep = torch.stack([torch.randperm(n_old, generator=gen)[:n_new] for _ in range(H)])
 
     expected = raw.clone()
@@ -140,11 +144,13 @@ def test_fp8_compaction_moves_bytes_the_stock_kernel_reads(name, kernels, monkey
     # Block 0 keeps the request's old bytes (another reader shares it); block 7
     # starts as its copy, then the holes are filled.
     expected[7] = expected[0]
-    _write(kk, vk, expected, new_slots, "vec", name)
+    _write(kk, vk, expected, new_slots, isa, name)
     assert torch.equal(raw, expected)
 
+    if isa == "amx" and not cpu_has_amx():
+        return  # the bytes are checked; vLLM's amx attention kernel needs AMX hardware
     q = torch.randn(1, 2 * H, D, generator=gen).to(torch.bfloat16)
-    out = _stock_attention("vec", name, q, *split_kv_cache(raw), dst.int(), [n_new])
+    out = _stock_attention(isa, name, q, *split_kv_cache(raw), dst.int(), [n_new])
     g = 2
     kf, vf = (x.transpose(0, 1).float().repeat_interleave(g, 0) for x in (kk, vk))
     ref = ((q[0].float()[:, None] @ kf.transpose(1, 2))[:, 0] * D**-0.5).softmax(-1)
