@@ -105,7 +105,8 @@ def run(args, save=None, meta=None) -> list[dict]:
         spec = run_vllm.EngineSpec(mdir, max_model_len=-(-longest // 32) * 32,
                                    kv_pool_mib=args.kv_pool_mib or KV_POOL_MIB[args.config],
                                    chunk_tokens=args.chunk_tokens or CHUNK_TOKENS[args.config],
-                                   dtype=args.dtype, prefill_cap=getattr(args, "prefill_cap", None))
+                                   dtype=args.dtype, prefill_cap=getattr(args, "prefill_cap", None),
+                                   kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
         if meta is not None:
             meta.setdefault("engines", {})[model] = dataclasses.asdict(spec)
         bar = tqdm(total=len(engines) * len(tasks), desc=model, unit="task")
@@ -155,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="model and KV dtype of every engine (default bfloat16; float32 is "
                    "the faster one on CPUs without avx512_bf16)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e5m2"),
+                   help="KV cache dtype of every engine, the full-cache reference included "
+                   "(default auto: the model dtype; fp8 needs an AVX-512 CPU)")
     p.add_argument("--dump-tasks", metavar="FILE", help="write the instances as JSON and exit")
     p.add_argument("--instances", metavar="FILE", help="run the instances of a --dump-tasks "
                    "file (e.g. the subset given to the kvpress runner) instead of the config's")

@@ -43,6 +43,8 @@ class EngineSpec:
         requests when it runs out; evicting engines hold far less).
     chunk_tokens: max_num_batched_tokens, i.e. the chunked-prefill chunk size.
     dtype: model and KV dtype.
+    kv_cache_dtype: vLLM's --kv-cache-dtype of every engine ("auto": the
+        model dtype; "fp8" / "fp8_e5m2": an fp8 cache, AVX-512 CPUs).
     prefill_cap: --kv-prefill-cap of the evicting engines (None: the default,
         compress once the prompt is complete; 0: between every chunk).
     """
@@ -54,6 +56,7 @@ class EngineSpec:
     block_size: int = 32
     dtype: str = "bfloat16"
     prefill_cap: int | None = None
+    kv_cache_dtype: str = "auto"
 
 
 def build_llm(spec: EngineSpec, policy: str, budget: float):
@@ -65,6 +68,7 @@ def build_llm(spec: EngineSpec, policy: str, budget: float):
         if spec.prefill_cap is not None:
             extra["kv_prefill_cap"] = spec.prefill_cap
     return LLM(spec.model_dir, enforce_eager=True, dtype=spec.dtype, seed=0,
+               kv_cache_dtype=spec.kv_cache_dtype,
                block_size=spec.block_size, max_model_len=spec.max_model_len,
                kv_cache_memory_bytes=spec.kv_pool_mib << 20,
                enable_chunked_prefill=True, max_num_batched_tokens=spec.chunk_tokens,
