@@ -171,8 +171,11 @@ def write_report(rows: list[dict], out: str | Path, meta: dict | None = None) ->
         lines += [f"## {model}", ""]
         if model in engines:
             e = engines[model]
+            kv_dtype = e.get("kv_cache_dtype", "auto")
             lines += [(f"Engine: chunked prefill of {e['chunk_tokens']} tokens, KV pool "
-                       f"{e['kv_pool_mib']} MiB, block {e['block_size']}, max_model_len "
+                       f"{e['kv_pool_mib']} MiB"
+                       + (f" (KV cache {kv_dtype}, every engine)" if kv_dtype != "auto" else "")
+                       + f", block {e['block_size']}, max_model_len "
                        f"{e['max_model_len']}. "
                        + ("Eviction runs between prompt chunks, so a chunk's tokens always "
                           "see each other in full: prompt perplexity depends on the chunk "
