@@ -27,6 +27,7 @@ from vllm_kvevict.core.eviction.compaction import by_age
 from vllm_kvevict.core.eviction.kernel_dispatch import (cpu_kernel_isa, cpu_projection_isa_of,
                                                        cpu_token_mover, projection_precision)
 from vllm_kvevict.core.eviction.plans import CompactionPlan, EvictionStep
+from vllm_kvevict.core.layouts.cpu_layout import FP8_VIEWS
 from vllm_kvevict.core.layouts.layer_stack import LayerCache, LayerStack
 from vllm_kvevict.core.policies import Record
 from vllm_kvevict.core.scoring.decode_log import StepPlacement
@@ -216,7 +217,7 @@ class StackContext:
             x = by_age(x[:, :, : self.old_len], self.rows)
         # An fp8 cache's float8 values are exact in bf16, which the scoring
         # paths (and their compiled kernels) take.
-        return x.to(torch.bfloat16) if x.element_size() == 1 else x
+        return x.to(torch.bfloat16) if x.dtype in FP8_VIEWS else x
 
     def _slots_by_age(self) -> torch.Tensor:
         """(L, H, old_len) int64 slot of each token, oldest first (K and V share it)."""

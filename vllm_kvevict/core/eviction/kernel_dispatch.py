@@ -85,12 +85,13 @@ def cpu_kernel_isa(queries: torch.Tensor, keys: torch.Tensor, layout=None) -> st
 
     The bf16 paths (amx, avx512bf16) need bf16 queries and keys, and amx a
     head size of 32-128 in steps of 32; the next path down runs otherwise
-    (float32 data: avx2, which any AVX2 CPU runs)."""
-    from vllm_kvevict.core.layouts.cpu_layout import KVLayout
+    (float32 data: avx2, which any AVX2 CPU runs). An fp8 cache's float8
+    keys go to avx512bf16 (decoded to bf16 there, exactly) or avx2."""
+    from vllm_kvevict.core.layouts.cpu_layout import FP8_VIEWS, KVLayout
 
     if mode() == "torch" or keys.device.type != "cpu" or queries.shape[-1] % 2:
         return None
-    fp8 = keys.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)  # an fp8 cache's view
+    fp8 = keys.dtype in FP8_VIEWS  # an fp8 cache's view
     if keys.dtype not in (torch.bfloat16, torch.float16, torch.float32) and not fp8:
         return None
     if layout is not None and (not isinstance(layout, KVLayout) or layout.k_tiles is None

@@ -29,6 +29,7 @@ _BASE = 256
 _FP8_BASE = 8
 FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                     "fp8_e5m2": torch.float8_e5m2}
+FP8_VIEWS = (torch.float8_e4m3fn, torch.float8_e5m2)  # the dtypes of those caches' views
 
 
 def cache_dtype_name(dtype: torch.dtype) -> str:
@@ -64,7 +65,7 @@ def _stock_map(write: StockWriter, isa: str, dtype: torch.dtype, bs: int, d: int
     For a float8 ``dtype`` (the typed view of an fp8 cache) the writer gets
     bf16 tokens and a uint8 cache with ``kv_cache_dtype``, as vLLM calls it."""
     n = h * bs * d
-    fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    fp8 = dtype in FP8_VIEWS
     base = _FP8_BASE if fp8 else _BASE
     code = torch.arange(n).view(h, bs, d)
     dec = [torch.zeros(h, bs, d, dtype=torch.long) for _ in range(2)]
