@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 RESULT_MARKER = "@@KVEVICT_RESULT@@ "  # a child process's result line on stdout
-KV_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4, "fp8": 1}
+KV_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 CATEGORIES = ("scoring", "compaction", "bookkeeping")
 
 
@@ -61,12 +61,14 @@ def make_prompts(model: str, num: int, length: int, seed_offset: int = 0) -> lis
             for i in range(num)]
 
 
-def kv_bytes_per_token(model: str, dtype: str) -> int:
-    """2 (K and V) * layers * kv heads * head dim * dtype bytes."""
+def kv_bytes_per_token(model: str, dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """2 (K and V) * layers * kv heads * head dim * element bytes: the model
+    dtype's, or one for an fp8 cache (vLLM's --kv-cache-dtype fp8 / fp8_e5m2)."""
     cfg = json.loads((Path(model) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * KV_DTYPE_BYTES[dtype]
+    element = KV_DTYPE_BYTES[dtype] if kv_cache_dtype == "auto" else 1
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * element
 
 
 # --------------------------------------------------------------------------- which code ran

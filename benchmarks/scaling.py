@@ -196,7 +196,7 @@ def build_engine(cfg: dict):
     if cfg["policy"] != "none":
         additional = {"kv_eviction": cfg["policy"], "kv_budget": cfg["ctx"]}
     kv_dtype = cfg.get("kv_cache_dtype", "auto")
-    bpt = kv_bytes_per_token(cfg["model"], cfg["dtype"] if kv_dtype == "auto" else "fp8")
+    bpt = kv_bytes_per_token(cfg["model"], cfg["dtype"], kv_dtype)
     return LLM(cfg["model"], enforce_eager=True, dtype=cfg["dtype"], block_size=BLOCK_SIZE,
                kv_cache_dtype=kv_dtype,
                max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False, seed=0,

@@ -131,7 +131,7 @@ def run_config(cfg: dict) -> dict:
     t0 = time.perf_counter()
     blocks = math.ceil(cfg["pool_tokens"] / cfg["block_size"])
     kv_dtype = cfg.get("kv_cache_dtype", "auto")
-    bpt = kv_bytes_per_token(cfg["model"], cfg["dtype"] if kv_dtype == "auto" else "fp8")
+    bpt = kv_bytes_per_token(cfg["model"], cfg["dtype"], kv_dtype)
     pool_bytes = blocks * cfg["block_size"] * bpt
     additional = {"kv_eviction": cfg["policy"]}
     if cfg["policy"] != "none":
@@ -759,7 +759,7 @@ def main(argv=None) -> int:
         from vllm_kvevict.models import ensure_smollm2
 
         args.model = ensure_smollm2()
-    bpt = kv_bytes_per_token(args.model, args.dtype if args.kv_cache_dtype == "auto" else "fp8")
+    bpt = kv_bytes_per_token(args.model, args.dtype, args.kv_cache_dtype)
     constrained, ample = configs(args, args.model)
     print(f"[throughput] model {args.model}: {bpt} KV bytes/token; "
           f"{len(constrained) + len(ample)} runs", file=sys.stderr, flush=True)

@@ -18,6 +18,7 @@ import torch
 import vllm._custom_ops as ops  # a missing vLLM fails, never skips
 from conftest import (DTYPE, PROMPTS, STOCK_TOKENS, engine_settings, kernel_isas,
                       needs_stock_writer, serve_config, stock_ids)
+from test_kv_layout import _stock_attention
 
 from vllm_kvevict.core.eviction.planner import max_blocks_per_request
 from vllm_kvevict.core.layouts.cpu_layout import FP8_CACHE_DTYPES, split_kv_cache
@@ -83,22 +84,6 @@ def test_fp8_reads_match_stock_writer(isa, name):
     assert torch.equal(L.gather_keys_t(kc, table, 3), want(dk, 3).transpose(2, 3))
 
 
-def _stock_attention(isa, name, q, kc_u8, vc_u8, table, seq_lens):
-    n, nq, d = q.shape
-    qsl = torch.arange(n + 1, dtype=torch.int32)
-    sl = torch.tensor(seq_lens, dtype=torch.int32)
-    md = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=n, num_heads=nq, num_kv_heads=H, head_dim=d, seq_lens=sl, dtype=q.dtype,
-        query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
-    out = torch.empty_like(q)
-    ops.cpu_attention_with_kv_cache(
-        query=q, key_cache=kc_u8, value_cache=vc_u8, output=out, query_start_loc=qsl,
-        seq_lens=sl, scale=d**-0.5, causal=True, alibi_slopes=None, sliding_window=-1,
-        block_table=table, softcap=0.0, scheduler_metadata=md, s_aux=None,
-        k_scale=1.0, v_scale=1.0, kv_cache_dtype=name)
-    return out
-
-
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
 @pytest.mark.parametrize("isa", ["vec", "amx"])
 @pytest.mark.parametrize("name", NAMES)
@@ -150,7 +135,7 @@ def test_fp8_compaction_moves_bytes_the_stock_kernel_reads(name, isa, kernels, m
     if isa == "amx" and not cpu_has_amx():
         return  # the bytes are checked; vLLM's amx attention kernel needs AMX hardware
     q = torch.randn(1, 2 * H, D, generator=gen).to(torch.bfloat16)
-    out = _stock_attention(isa, name, q, *split_kv_cache(raw), dst.int(), [n_new])
+    out = _stock_attention(isa, q, *split_kv_cache(raw), dst.int(), [n_new], H, name)
     g = 2
     kf, vf = (x.transpose(0, 1).float().repeat_interleave(g, 0) for x in (kk, vk))
     ref = ((q[0].float()[:, None] @ kf.transpose(1, 2))[:, 0] * D**-0.5).softmax(-1)

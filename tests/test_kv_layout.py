@@ -37,8 +37,10 @@ def _slots(block_table_row, pos, bs):
     return block_table_row.long()[pos // bs] * bs + pos % bs
 
 
-def _stock_attention(isa, q, kc, vc, block_table, seq_lens, num_kv_heads):
-    """Decode attention (one query per request) with the stock kernel."""
+def _stock_attention(isa, q, kc, vc, block_table, seq_lens, num_kv_heads,
+                     kv_cache_dtype="auto"):
+    """Decode attention (one query per request) with the stock kernel; an fp8
+    cache (test_fp8_cache.py) as vLLM passes it: uint8 caches, unit scales."""
     n, nq, d = q.shape
     qsl = torch.arange(n + 1, dtype=torch.int32)
     sl = torch.tensor(seq_lens, dtype=torch.int32)
@@ -50,7 +52,8 @@ def _stock_attention(isa, q, kc, vc, block_table, seq_lens, num_kv_heads):
     ops.cpu_attention_with_kv_cache(
         query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl,
         seq_lens=sl, scale=d**-0.5, causal=True, alibi_slopes=None, sliding_window=-1,
-        block_table=block_table, softcap=0.0, scheduler_metadata=md, s_aux=None)
+        block_table=block_table, softcap=0.0, scheduler_metadata=md, s_aux=None,
+        k_scale=1.0, v_scale=1.0, kv_cache_dtype=kv_cache_dtype)
     return out
 
 
