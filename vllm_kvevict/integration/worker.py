@@ -359,7 +359,10 @@ class WorkerEviction:
             first += nl
         after_all = torch.cat(new_order, dim=1)  # (P, L_all, H, new_len)
         for i, plan in enumerate(plans):
-            self.order[plan.req_id] = after_all[i]
+            # A copy each: a view would keep every plan's order alive while
+            # any one of them runs (footprint.py bounds a request's order by
+            # its own resident tokens).
+            self.order[plan.req_id] = after_all[i].clone()
             self.private.drop([plan.req_id])
             if evicted_kv:  # offload: `_batches` ran this plan alone
                 tier = host_tier(self, self._stacks()[0].layout, evicted_kv[0][0].dtype)

@@ -56,7 +56,13 @@ class LayerStack:
         n = len(layers)
         kv = kv0.as_strided((n * nb, *kv0.shape[1:]), kv0.stride(), kv0.storage_offset())
         per_layer = layers[0].scores.shape[1]
-        scores = torch.cat([lc.scores for lc in layers], dim=1)
+        # Layer by layer, not torch.cat: each layer's buffer is released as it
+        # is copied, and on CPU the stack's pages are touched only as they are
+        # filled, so resident memory peaks at the stack plus one layer's, not
+        # twice the stack (memory core/eviction/footprint.py does not reserve).
+        scores = layers[0].scores.new_empty(layers[0].scores.shape[0], n * per_layer)
         for i, lc in enumerate(layers):
-            lc.scores = scores[:, i * per_layer:(i + 1) * per_layer]
+            part = scores[:, i * per_layer:(i + 1) * per_layer]
+            part.copy_(lc.scores)
+            lc.scores = part
         return [cls(kv, lay0, n, nb, scores, names)]

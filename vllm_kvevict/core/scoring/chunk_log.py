@@ -34,8 +34,11 @@ class Chunk:
     seq_len: int  # physical length after it: query t sees seq_len - n + 1 + t keys
 
 
+CHUNK_TOKENS = 256  # prefill tokens deferred per step, at most
+
+
 class ChunkLog:
-    def __init__(self, max_tokens: int = 256) -> None:
+    def __init__(self, max_tokens: int = CHUNK_TOKENS) -> None:
         self.max_tokens = max_tokens
         self.chunks: list[Chunk] = []
         self.tokens = torch.empty(0, dtype=torch.int64)  # their rows in the step's query

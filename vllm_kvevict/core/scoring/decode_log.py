@@ -121,8 +121,11 @@ def score_logged(stacks: list, req_ids: list[str], blocks: list[list[int]],
                           rows, sc, private)
 
 
+DECODE_DEPTH = 32  # decode queries held per request between flushes
+
+
 class DecodeQueryLog:
-    def __init__(self, depth: int = 32) -> None:
+    def __init__(self, depth: int = DECODE_DEPTH) -> None:
         self.depth = depth
         self.row_of: dict[str, int] = {}
         self.count: dict[str, int] = {}
