@@ -47,6 +47,28 @@ def _worker(pid: int):
     return None
 
 
+def _kill_tree(server: subprocess.Popen) -> None:
+    """Kill the server and every process it started, and wait until they are
+    gone: the next server's memory check must not see this one's cache."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(server.pid)] + psutil.Process(server.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    try:
+        os.killpg(server.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=60)
+    server.wait()
+
+
 def _post(port: int, body: dict, timeout: float) -> dict:
     req = urllib.request.Request(f"http://localhost:{port}/v1/completions",
                                  json.dumps(body).encode(), {"Content-Type": "application/json"})
@@ -86,8 +108,7 @@ def run_one(model: str, flags: str, prompts: list[list[int]], max_tokens: int, p
                 break
             except Exception:
                 if server.poll() is not None or time.time() - t0 > timeout:
-                    row["error"] = "server did not start"
-                    return row
+                    raise RuntimeError("server did not start")
                 time.sleep(2)
         row["startup_s"] = round(time.time() - t0)
         sampler.start()
@@ -104,10 +125,12 @@ def run_one(model: str, flags: str, prompts: list[list[int]], max_tokens: int, p
         stop.set()
         if sampler.is_alive():
             sampler.join()
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
+        _kill_tree(server)
         text = open(log.name).read()
         os.unlink(log.name)
+    if not row["survived"]:
+        row["log"] = [line[-200:] for line in text.splitlines()
+                      if "Error" in line or "error" in line][-3:] or text.splitlines()[-3:]
     m = re.search(r"Auto set \(([\d.]+)/[\d.]+\) GiB for KV cache.*?([\d.]+) GiB requested", text)
     if m:
         row["vllm_kv_gib"], row["requested_gib"] = float(m.group(1)), float(m.group(2))
