@@ -69,18 +69,40 @@ def _footprint(worker, cfg) -> tuple[int, Footprint]:
     return slot_bytes, fp
 
 
+def _free_cpu_memory() -> int:
+    """Available memory on the worker's memory node, read as vLLM's CPU worker
+    reads it for its own check of an explicit size."""
+    from vllm.v1.worker import cpu_worker
+
+    node = cpu_worker.get_allowed_cpu_list()[0].numa_node
+    return cpu_worker.get_memory_node_info(node).available_memory
+
+
 def _sized(worker, available: int) -> int:
+    from vllm.platforms import current_platform
+
     global last_split
     cfg = eviction_config(worker.vllm_config)
     if not (cfg.enabled or cfg.offload):
         return available
     slot_bytes, fp = _footprint(worker, cfg)
     max_requests = worker.vllm_config.scheduler_config.max_num_seqs
-    if worker.cache_config.kv_cache_memory_bytes is not None or not slot_bytes:
-        if slot_bytes:
-            extra = fp.bytes(available // slot_bytes, max_requests)
-            logger.info("vllm_kvevict: eviction holds up to %.2f GiB beside the %.2f GiB "
-                        "KV cache you sized", extra / 2**30, available / 2**30)
+    if not slot_bytes:
+        return available
+    if worker.cache_config.kv_cache_memory_bytes is not None:
+        extra = fp.bytes(available // slot_bytes, max_requests)
+        free = _free_cpu_memory() if current_platform.is_cpu() else None
+        if free is not None and available + extra > free:
+            # vLLM checked the cache alone against this figure; it is still free
+            # (the cache is allocated after this returns).
+            raise ValueError(
+                f"The KV cache you sized ({available / 2**30:.2f} GiB: --kv-cache-memory-bytes "
+                f"or VLLM_CPU_KVCACHE_SPACE) and the {extra / 2**30:.2f} GiB eviction holds "
+                f"beside it ({cfg.as_flags()}) exceed the {free / 2**30:.2f} GiB of memory "
+                "available: size the cache smaller, or leave it to vLLM, which then leaves "
+                "room for both")
+        logger.info("vllm_kvevict: eviction holds up to %.2f GiB beside the %.2f GiB "
+                    "KV cache you sized", extra / 2**30, available / 2**30)
         return available
     share = cache_share(available, slot_bytes, fp, max_requests)
     last_split = Split(available, share, slot_bytes, fp, max_requests)

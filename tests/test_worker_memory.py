@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PROMPTS
+from conftest import DTYPE, PROMPTS, kv_bytes
 
 from vllm_kvevict.core.config.settings import EvictionConfig
 from vllm_kvevict.core.eviction.footprint import (Footprint, cache_share, footprint,
@@ -29,7 +29,7 @@ def _cfg(policy: str, **extra) -> EvictionConfig:
 
 @pytest.mark.parametrize("policy,per_slot,per_request,fixed", [
     # order (int32) per layer and KV head, + H2O's float32 score
-    ("h2o", 30 * 3 * 8, 32 * 30 * 9 * 64 * 2, 256 * 30 * 9 * 64 * 2),
+    ("h2o", 30 * 3 * 8, 32 * 30 * 9 * 64 * 2 + 32 * 8, 256 * 30 * 9 * 64 * 2),
     ("snapkv", 30 * 3 * 4, 32 * 30 * 9 * 64 * 2, 0),  # the window: --kv-window 32
     ("andpro", 30 * 3 * 4, 32 * 30 * 9 * 64 * 2, 0),
     ("streaming", 30 * 3 * 4, 0, 0),
@@ -141,3 +141,20 @@ def test_an_auto_sized_cache_and_the_eviction_state_fit_in_vllms_figure(
     slots = kv_bytes // split.slot_bytes
     assert 0 < seen["held"] <= split.footprint.bytes(slots, split.max_requests)
     assert kv_bytes + seen["held"] <= split.available
+
+
+def test_an_explicit_cache_that_leaves_no_room_for_eviction_is_refused(
+        fresh_engines, monkeypatch):
+    """vLLM checks a cache you size against free memory alone; with eviction on,
+    what it holds beside the cache joins that check. Free memory is made to read
+    as the cache plus 1 MiB (vLLM's own check passes, eviction's buffers do not
+    fit): startup stops naming the flags, before the cache is allocated."""
+    from vllm.utils.cpu_resource_utils import MemoryNodeInfo
+    from vllm.v1.worker import cpu_worker
+
+    cache = kv_bytes(DTYPE)
+    monkeypatch.setattr(cpu_worker, "get_memory_node_info",
+                        lambda node=0: MemoryNodeInfo(total_memory=24 << 30,
+                                                      available_memory=cache + (1 << 20)))
+    with pytest.raises(Exception, match=r"eviction holds beside it \(--kv-eviction h2o"):
+        fresh_engines.get(additional_config={"kv_eviction": "h2o", "kv_budget": 64})

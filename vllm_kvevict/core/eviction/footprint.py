@@ -18,7 +18,8 @@ long request (docs/results.md, twenty-eighth session). What the worker holds
              for every slot of the cache
   per request row (the logs grow by doubling: at most 2 x max_num_seqs rows):
     DECODE_DEPTH (H2O's decode log) or --kv-window (SnapKV/AnDPro) queries
-    of H_q x D in the model's dtype
+    of H_q x D in the model's dtype; the decode log's visible lengths
+    (DECODE_DEPTH int64, once, not per layer)
   fixed:
     CHUNK_TOKENS deferred prefill queries (H2O), H_q x D each
     the offload host tier (--kv-swap-space), where host memory is the
@@ -67,8 +68,9 @@ def footprint(cfg: EvictionConfig, *, num_layers: int, num_kv_heads: int, num_q_
     query = num_layers * num_q_heads * head_size * query_bytes
     depth = {Record.ATTENTION: DECODE_DEPTH, Record.QUERIES: cfg.window}.get(records, 0)
     chunk = CHUNK_TOKENS if records is Record.ATTENTION else 0
+    visible = DECODE_DEPTH * 8 if records is Record.ATTENTION else 0
     return Footprint(per_slot=num_layers * num_kv_heads * per_head,
-                     per_request=depth * query, fixed=chunk * query + host)
+                     per_request=depth * query + visible, fixed=chunk * query + host)
 
 
 def cache_share(available: int, slot_bytes: int, fp: Footprint, max_requests: int) -> int:
