@@ -18,7 +18,10 @@ HOW: when eviction (or offload) is on and the size is vLLM's own (no
      requests, fixed; on CPU the offload pool too) fit in what vLLM measured.
      The shapes come from this worker's own KV cache spec (its layers, KV heads,
      page size) and the model config (query heads, dtype). An explicit size is
-     left alone: it is the cache's, and the log says what comes on top.
+     left alone: it is the cache's, and the log says what comes on top; on CPU,
+     where vLLM checks an explicit size against free memory, the footprint
+     joins that check (startup stops, naming the flags, rather than the OOM
+     killer stopping the worker later).
 UPSTREAM: a hook for attention backends / KV managers to declare memory they
      allocate per KV slot and per request, charged before the cache is sized.
 """
@@ -28,7 +31,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from vllm_kvevict.core.eviction.footprint import Footprint, cache_share, footprint
+from vllm_kvevict.core.eviction.footprint import (ROWS_PER_REQUEST, Footprint, cache_share,
+                                                  footprint)
 from vllm_kvevict.integration.settings import eviction_config
 
 from . import mark_patched
@@ -65,7 +69,7 @@ def _footprint(worker, cfg) -> tuple[int, Footprint]:
                    num_q_heads=model.get_num_attention_heads(parallel),
                    head_size=max(s.head_size for s in specs),
                    query_bytes=model.dtype.itemsize,
-                   host_is_cache_memory=current_platform.is_cpu())
+                   on_cpu=current_platform.is_cpu())
     return slot_bytes, fp
 
 
@@ -106,10 +110,11 @@ def _sized(worker, available: int) -> int:
         return available
     share = cache_share(available, slot_bytes, fp, max_requests)
     last_split = Split(available, share, slot_bytes, fp, max_requests)
+    logs = ROWS_PER_REQUEST * fp.per_request * max_requests
     logger.info("vllm_kvevict: of the %.2f GiB vLLM found for the KV cache, %.2f GiB "
-                "stay for eviction's buffers (scores, slot orders, query logs for %d "
-                "requests%s)", available / 2**30, (available - share) / 2**30, max_requests,
-                ", the offload pool" if fp.fixed and cfg.offload else "")
+                "stay for eviction's buffers (per-slot scores and orders; %.2f GiB of query "
+                "logs for --max-num-seqs %d%s)", available / 2**30, (available - share) / 2**30,
+                logs / 2**30, max_requests, "; the offload pool" if cfg.offload and fp.fixed else "")
     return share
 
 

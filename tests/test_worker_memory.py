@@ -36,24 +36,33 @@ def _cfg(policy: str, **extra) -> EvictionConfig:
     ("none", 0, 0, 0),
 ])
 def test_footprint_per_policy(policy, per_slot, per_request, fixed):
-    fp = footprint(_cfg(policy), **SMOL, host_is_cache_memory=True)
+    fp = footprint(_cfg(policy), **SMOL, on_cpu=True)
     assert fp == Footprint(per_slot, per_request, fixed)
 
 
 def test_footprint_follows_the_window_and_the_offload_pool():
-    fp = footprint(_cfg("snapkv", kv_window=8), **SMOL, host_is_cache_memory=True)
+    fp = footprint(_cfg("snapkv", kv_window=8), **SMOL, on_cpu=True)
     assert fp.per_request == 8 * 30 * 9 * 64 * 2
     pool = 1 << 30  # --kv-swap-space 1 (GiB, as vLLM's --swap-space reads it)
-    on_cpu = footprint(_cfg("infinigen", kv_swap_space=1), **SMOL, host_is_cache_memory=True)
-    on_gpu = footprint(_cfg("infinigen", kv_swap_space=1), **SMOL, host_is_cache_memory=False)
+    on_cpu = footprint(_cfg("infinigen", kv_swap_space=1), **SMOL, on_cpu=True)
+    on_gpu = footprint(_cfg("infinigen", kv_swap_space=1), **SMOL, on_cpu=False)
     assert on_cpu.fixed - on_gpu.fixed == pool  # host memory is the cache's only on CPU
+
+
+def test_h2o_on_cuda_keeps_no_query_logs():
+    """On CUDA H2O scores every query in its own step (recorders.places): per
+    slot as on CPU, no decode or chunk log; SnapKV's window is kept on both."""
+    cpu, cuda = (footprint(_cfg("h2o"), **SMOL, on_cpu=c) for c in (True, False))
+    assert cuda == Footprint(cpu.per_slot, 0, 0)
+    assert footprint(_cfg("snapkv"), **SMOL, on_cpu=False) == \
+        footprint(_cfg("snapkv"), **SMOL, on_cpu=True)
 
 
 @pytest.mark.parametrize("available", [1 << 30, 20 << 30, 3 * 10**9 + 7])
 @pytest.mark.parametrize("policy", ["h2o", "snapkv", "infinigen"])
 def test_cache_share_fits_and_wastes_less_than_a_slot(policy, available):
     fp = footprint(_cfg(policy, **({"kv_swap_space": 0.25} if policy == "infinigen" else {})),
-                   **SMOL, host_is_cache_memory=True)
+                   **SMOL, on_cpu=True)
     share = cache_share(available, SLOT_BF16, fp, max_requests=128)
     slots = share // SLOT_BF16
     assert share + fp.bytes(slots, 128) <= available
@@ -62,7 +71,7 @@ def test_cache_share_fits_and_wastes_less_than_a_slot(policy, available):
 
 
 def test_cache_share_refuses_when_the_logs_leave_nothing():
-    fp = footprint(_cfg("snapkv"), **SMOL, host_is_cache_memory=True)
+    fp = footprint(_cfg("snapkv"), **SMOL, on_cpu=True)
     with pytest.raises(ValueError, match="--max-num-seqs"):
         cache_share(100 << 20, SLOT_BF16, fp, max_requests=1024)  # 2.2 GiB of windows
 

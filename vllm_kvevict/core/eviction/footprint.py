@@ -17,13 +17,14 @@ long request (docs/results.md, twenty-eighth session). What the worker holds
     4 bytes  H2O's accumulated attention (float32), Record.ATTENTION, one
              for every slot of the cache
   per request row (the logs grow by doubling: at most 2 x max_num_seqs rows):
-    DECODE_DEPTH (H2O's decode log) or --kv-window (SnapKV/AnDPro) queries
-    of H_q x D in the model's dtype; the decode log's visible lengths
-    (DECODE_DEPTH int64, once, not per layer)
+    --kv-window (SnapKV/AnDPro) or, on CPU, DECODE_DEPTH (H2O's decode log)
+    queries of H_q x D in the model's dtype; the decode log's visible
+    lengths (DECODE_DEPTH int64, once, not per layer)
   fixed:
-    CHUNK_TOKENS deferred prefill queries (H2O), H_q x D each
-    the offload host tier (--kv-swap-space), where host memory is the
-    cache's own memory (CPU)
+    on CPU, CHUNK_TOKENS deferred prefill queries (H2O), H_q x D each
+    on CPU, the offload host tier (--kv-swap-space): host memory is the
+    cache's own memory there
+(On CUDA H2O scores every query in its own step: no decode or chunk log.)
 
 Not bounded here: a prefix-hit request's private score rows (H_kv floats per
 shared token until its first compaction) and a compaction's transient gather
@@ -57,18 +58,21 @@ class Footprint:
 
 
 def footprint(cfg: EvictionConfig, *, num_layers: int, num_kv_heads: int, num_q_heads: int,
-              head_size: int, query_bytes: int, host_is_cache_memory: bool) -> Footprint:
+              head_size: int, query_bytes: int, on_cpu: bool) -> Footprint:
     """What the worker holds beside its KV cache under `cfg` (the module
-    docstring's table). Heads are this worker's (tensor-parallel shards)."""
-    host = cfg.swap_bytes if cfg.offload and host_is_cache_memory else 0
+    docstring's table). Heads are this worker's (tensor-parallel shards);
+    on_cpu: the CPU backend (H2O's queries wait in logs; host memory is the
+    cache's)."""
+    host = cfg.swap_bytes if cfg.offload and on_cpu else 0
     if not cfg.enabled:
         return Footprint(0, 0, host)
     records = make_policy(cfg.policy, cfg.sink, cfg.window).records
     per_head = 4 + (4 if records is Record.ATTENTION else 0)
     query = num_layers * num_q_heads * head_size * query_bytes
-    depth = {Record.ATTENTION: DECODE_DEPTH, Record.QUERIES: cfg.window}.get(records, 0)
-    chunk = CHUNK_TOKENS if records is Record.ATTENTION else 0
-    visible = DECODE_DEPTH * 8 if records is Record.ATTENTION else 0
+    logs = records is Record.ATTENTION and on_cpu  # the decode and chunk logs
+    depth = cfg.window if records is Record.QUERIES else DECODE_DEPTH if logs else 0
+    chunk = CHUNK_TOKENS if logs else 0
+    visible = DECODE_DEPTH * 8 if logs else 0
     return Footprint(per_slot=num_layers * num_kv_heads * per_head,
                      per_request=depth * query + visible, fixed=chunk * query + host)
 
