@@ -48,14 +48,20 @@ def _worker(pid: int):
 
 
 def _kill_tree(server: subprocess.Popen) -> None:
-    """Kill the server and every process it started, and wait until they are
-    gone: the next server's memory check must not see this one's cache."""
+    """Stop the server (SIGTERM, then SIGKILL for whatever is left of it and
+    the processes it started) and wait until they are gone: the next server's
+    memory check must not see this one's cache."""
     import psutil
 
     try:
         procs = [psutil.Process(server.pid)] + psutil.Process(server.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         procs = []
+    server.send_signal(signal.SIGTERM)  # a clean shutdown frees vLLM's shared memory
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
     try:
         os.killpg(server.pid, signal.SIGKILL)
     except ProcessLookupError:
