@@ -13,6 +13,7 @@ server survived.
 
     python benchmarks/default_sizing.py                       # stock, h2o, snapkv
     python benchmarks/default_sizing.py --configs "" "--kv-eviction h2o --kv-cache-dtype fp8 --kv-budget 256"
+    python benchmarks/default_sizing.py --eager --model PATH   # a flag alone is read as the script's
 
 Configurations run in the order given, reversed every other round (--rounds).
 """
@@ -154,6 +155,8 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+",
                     default=["", "--kv-eviction h2o", "--kv-eviction snapkv"],
                     help="flags after `vllm serve MODEL`, one string per server ('' = stock)")
+    ap.add_argument("--eager", action="store_true",
+                    help="add --enforce-eager to every server (starts in half the time)")
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--prompt-tokens", type=int, default=1900)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -170,6 +173,7 @@ def main() -> None:
     rows = []
     for r in range(args.rounds):
         for flags in (args.configs if r % 2 == 0 else args.configs[::-1]):
+            flags = f"{flags} --enforce-eager".strip() if args.eager else flags
             row = run_one(args.model, flags, prompts, args.max_tokens, args.port, args.timeout)
             print(json.dumps(row), file=sys.stderr, flush=True)
             rows.append(row)
