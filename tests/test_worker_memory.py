@@ -104,7 +104,7 @@ def test_stacking_keeps_each_layers_scores():
 
 @pytest.mark.parametrize("policy", ["h2o", "snapkv"])
 def test_an_auto_sized_cache_and_the_eviction_state_fit_in_vllms_figure(
-        policy, fresh_engines, model_path, monkeypatch):
+        policy, fresh_engines, monkeypatch):
     """vLLM's own sizing (no kv_cache_memory_bytes: the worker's resident memory
     after a warm-up, against --gpu-memory-utilization of RAM); 12 requests at
     budget 64 compact while they run. At every step, the KV cache vLLM
@@ -119,6 +119,7 @@ def test_an_auto_sized_cache_and_the_eviction_state_fit_in_vllms_figure(
     rss = psutil.Process().memory_info().rss
     # About 1 GiB of cache beyond what the engine's own start adds.
     utilization = (rss + (3 << 29)) / total
+    monkeypatch.setattr(worker_memory, "last_split", None)  # this engine's, not an earlier one's
     llm = fresh_engines.get(
         kv_cache_memory_bytes=None, gpu_memory_utilization=utilization, max_num_seqs=16,
         max_num_batched_tokens=256,
