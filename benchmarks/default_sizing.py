@@ -22,119 +22,78 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shlex
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import requests
 from common import fmt, git_head, make_prompts
+
+from vllm_kvevict.eval.server import Server
 
 GIB = 2**30
 
 
-def _worker(pid: int):
+def _watch(srv: Server, peak: dict, stop: threading.Event) -> None:
+    """Until `stop`: the worker's largest resident memory and the machine's
+    least available memory, every 0.2 s."""
     import psutil
 
-    for p in psutil.Process(pid).children(recursive=True):
-        if "Worker" in p.name():
-            return p
-    return None
+    while not stop.wait(0.2):
+        for p in srv.processes():
+            try:
+                if "Worker" in p.name():
+                    peak["rss"] = max(peak["rss"], p.memory_info().rss)
+            except psutil.Error:
+                pass
+        peak["least_available"] = min(peak["least_available"], psutil.virtual_memory().available)
 
 
-def _kill_tree(server: subprocess.Popen) -> None:
-    """Stop the server (SIGTERM, then SIGKILL for whatever is left of it and
-    the processes it started) and wait until they are gone: the next server's
-    memory check must not see this one's cache."""
-    import psutil
-
-    try:
-        procs = [psutil.Process(server.pid)] + psutil.Process(server.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        procs = []
-    server.send_signal(signal.SIGTERM)  # a clean shutdown frees vLLM's shared memory
-    try:
-        server.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(server.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=60)
-    server.wait()
-
-
-def _post(port: int, body: dict, timeout: float) -> dict:
-    req = urllib.request.Request(f"http://localhost:{port}/v1/completions",
-                                 json.dumps(body).encode(), {"Content-Type": "application/json"})
-    return json.load(urllib.request.urlopen(req, timeout=timeout))
-
-
-def run_one(model: str, flags: str, prompts: list[list[int]], max_tokens: int, port: int,
+def run_one(model: str, flags: str, prompts: list[list[int]], max_tokens: int,
             timeout: float) -> dict:
     import psutil
 
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    cmd = ["vllm", "serve", model, "--port", str(port), *shlex.split(flags)]
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                              start_new_session=True)
+    # Nothing sized: no suite defaults, no VLLM_CPU_KVCACHE_SPACE.
+    srv = Server(model, *shlex.split(flags), defaults=(), start_timeout=timeout)
+    srv.env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     row = {"flags": flags or "(stock)", "survived": False}
     peak = {"rss": 0, "least_available": psutil.virtual_memory().available}
     stop = threading.Event()
-
-    def sample():
-        while not stop.wait(0.2):
-            w = _worker(server.pid) if server.poll() is None else None
-            try:
-                if w is not None:
-                    peak["rss"] = max(peak["rss"], w.memory_info().rss)
-            except psutil.Error:
-                pass
-            peak["least_available"] = min(peak["least_available"],
-                                          psutil.virtual_memory().available)
-
-    sampler = threading.Thread(target=sample, daemon=True)
+    watcher = threading.Thread(target=_watch, args=(srv, peak, stop), daemon=True)
+    procs = []
     try:
         t0 = time.time()
-        while True:
-            try:
-                urllib.request.urlopen(f"http://localhost:{port}/health", timeout=2)
-                break
-            except Exception:
-                if server.poll() is not None or time.time() - t0 > timeout:
-                    raise RuntimeError("server did not start")
-                time.sleep(2)
+        srv.start()  # raises with the log's tail if the server exits or hangs
         row["startup_s"] = round(time.time() - t0)
-        sampler.start()
+        procs = srv.processes()
+        watcher.start()
         body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+        def post(prompt):
+            r = requests.post(srv.url + "/v1/completions", json={**body, "prompt": prompt},
+                              timeout=timeout)
+            r.raise_for_status()
+            return r.json()
+
         t1 = time.time()
         with ThreadPoolExecutor(len(prompts)) as pool:
-            outs = list(pool.map(lambda p: _post(port, {**body, "prompt": p}, timeout), prompts))
+            outs = list(pool.map(post, prompts))
         row["seconds"] = round(time.time() - t1, 1)
         row["tok_s"] = round(sum(o["usage"]["completion_tokens"] for o in outs) / row["seconds"], 2)
-        row["survived"] = server.poll() is None
+        row["survived"] = srv.proc.poll() is None
     except Exception as e:  # a dead engine answers 500, a dead server refuses
         row["error"] = f"{type(e).__name__}: {e}"[:120]
     finally:
         stop.set()
-        if sampler.is_alive():
-            sampler.join()
-        _kill_tree(server)
-        text = open(log.name).read()
-        os.unlink(log.name)
+        if watcher.is_alive():
+            watcher.join()
+        srv.stop()  # SIGINT first: a clean shutdown frees vLLM's shared memory
+        # The next server's memory check must not see this one's cache.
+        psutil.wait_procs(procs, timeout=60)
+        text = srv.log()
     if not row["survived"]:
         row["log"] = [line[-200:] for line in text.splitlines()
                       if "Error" in line or "error" in line][-3:] or text.splitlines()[-3:]
@@ -161,7 +120,6 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=1900)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--port", type=int, default=8137)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
@@ -174,7 +132,7 @@ def main() -> None:
     for r in range(args.rounds):
         for flags in (args.configs if r % 2 == 0 else args.configs[::-1]):
             flags = f"{flags} --enforce-eager".strip() if args.eager else flags
-            row = run_one(args.model, flags, prompts, args.max_tokens, args.port, args.timeout)
+            row = run_one(args.model, flags, prompts, args.max_tokens, args.timeout)
             print(json.dumps(row), file=sys.stderr, flush=True)
             rows.append(row)
     cols = ["flags", "vllm_kv_gib", "reserved_gib", "requested_gib", "peak_worker_gib",

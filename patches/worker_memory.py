@@ -31,8 +31,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from vllm_kvevict.core.eviction.footprint import (ROWS_PER_REQUEST, Footprint, cache_share,
-                                                  footprint)
+from vllm_kvevict.core.eviction.footprint import Footprint, cache_share, footprint
 from vllm_kvevict.integration.settings import eviction_config
 
 from . import mark_patched
@@ -110,7 +109,7 @@ def _sized(worker, available: int) -> int:
         return available
     share = cache_share(available, slot_bytes, fp, max_requests)
     last_split = Split(available, share, slot_bytes, fp, max_requests)
-    logs = ROWS_PER_REQUEST * fp.per_request * max_requests
+    logs = fp.logs(max_requests)
     logger.info("vllm_kvevict: of the %.2f GiB vLLM found for the KV cache, %.2f GiB "
                 "stay for eviction's buffers (per-slot scores and orders; %.2f GiB of query "
                 "logs for --max-num-seqs %d%s)", available / 2**30, (available - share) / 2**30,

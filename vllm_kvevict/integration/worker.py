@@ -357,12 +357,11 @@ class WorkerEviction:
             # stays on the cache's device
             new_order.append(after.to(torch.int32).view(num_plans, nl, h, new_len))
             first += nl
-        after_all = torch.cat(new_order, dim=1)  # (P, L_all, H, new_len)
         for i, plan in enumerate(plans):
-            # A copy each: a view would keep every plan's order alive while
-            # any one of them runs (footprint.py bounds a request's order by
-            # its own resident tokens).
-            self.order[plan.req_id] = after_all[i].clone()
+            # (L_all, H, new_len), a tensor of its own: a view of one batch-wide
+            # tensor would keep every plan's order alive while any one of them
+            # runs (footprint.py bounds a request's order by its own tokens).
+            self.order[plan.req_id] = torch.cat([o[i] for o in new_order])
             self.private.drop([plan.req_id])
             if evicted_kv:  # offload: `_batches` ran this plan alone
                 tier = host_tier(self, self._stacks()[0].layout, evicted_kv[0][0].dtype)

@@ -50,11 +50,14 @@ class Footprint:
     per_request: int  # bytes per request row, all layers
     fixed: int
 
+    def logs(self, max_requests: int) -> int:
+        """The query logs' rows for `max_requests` requests at once."""
+        return ROWS_PER_REQUEST * self.per_request * max_requests
+
     def bytes(self, slots: int, max_requests: int) -> int:
         """At most this much beside a cache of `slots` slots serving
         `max_requests` requests at once."""
-        return (self.per_slot * slots + ROWS_PER_REQUEST * self.per_request * max_requests
-                + self.fixed)
+        return self.per_slot * slots + self.logs(max_requests) + self.fixed
 
 
 def footprint(cfg: EvictionConfig, *, num_layers: int, num_kv_heads: int, num_q_heads: int,
