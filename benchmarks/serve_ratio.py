@@ -1,0 +1,143 @@
+"""`vllm serve` with eviction on against stock `vllm serve`, as a new user runs them.
+
+Issue 35's "tried as a new user would": a server with memory to spare, a
+budget that evicts little (`--kv-budget 0.9`), concurrent completions. Every
+other ratio benchmark steps engines in one process; this one goes through the
+whole server (API process, engine core, worker, OpenAI routes), vLLM's own KV
+sizing and, by default, its compiled mode. Per round, each configuration gets a
+fresh server, one untimed warm-up request, then each workload (N concurrent
+requests of P prompt tokens, --max-tokens out, greedy, ignore_eos); the order
+of configurations reverses every other round. A policy's ratio is its output
+tokens/s over stock's in the same round; the table gives the median of the
+rounds and each round's ratio.
+
+    python benchmarks/serve_ratio.py                       # stock, h2o, snapkv, andpro, streaming at 0.9
+    python benchmarks/serve_ratio.py --rounds 3 --workloads 16x512 8x3000
+    python benchmarks/serve_ratio.py --policies h2o --budget 1024 --eager
+
+`--common` (default `--gpu-memory-utilization 0.85`) goes to every server:
+vLLM's own startup check wants 0.92 of RAM free when the worker starts, which a
+24 GiB machine misses by ~0.2 GiB on some starts, stock included (README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+from common import git_head, make_prompts
+
+from vllm_kvevict.eval.server import Server
+
+
+def parse_workload(text: str) -> tuple[int, int]:
+    """'8x3000' -> (8 requests, 3000 prompt tokens)."""
+    n, _, p = text.partition("x")
+    return int(n), int(p)
+
+
+def run_workload(srv: Server, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Send every prompt at once; wall time until the last completes."""
+    body = {"model": srv.model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+    def post(prompt):
+        r = requests.post(srv.url + "/v1/completions", json={**body, "prompt": prompt},
+                          timeout=1800)
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"]
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        tokens = sum(pool.map(post, prompts))
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall}
+
+
+def run_server(model: str, flags: list[str], workloads: dict, warmup: list[int],
+               max_tokens: int) -> dict:
+    """One fresh server: start, warm up, each workload in turn, stop."""
+    srv = Server(model, *flags, stock="--kv-eviction" not in flags, defaults=(),
+                 start_timeout=900)
+    srv.env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM sizes the cache, as typed
+    t0 = time.perf_counter()
+    with srv:
+        row = {"startup_s": round(time.perf_counter() - t0)}
+        run_workload(srv, [warmup], 8)
+        evicted0 = srv.metric("vllm_kvevict_tokens_evicted_total")
+        for name, prompts in workloads.items():
+            row[name] = run_workload(srv, prompts, max_tokens)
+        row["evicted"] = srv.metric("vllm_kvevict_tokens_evicted_total") - evicted0
+        log = srv.log()
+    row["path"] = next((line.split("CPU tensors: ", 1)[1].split(";")[0]
+                        for line in log.splitlines() if "scoring on CPU tensors: " in line), "")
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    ap.add_argument("--policies", nargs="+", default=["h2o", "snapkv", "andpro", "streaming"])
+    ap.add_argument("--budget", default="0.9", help="--kv-budget of every policy server")
+    ap.add_argument("--workloads", nargs="+", default=["16x512", "8x3000"],
+                    help="NxP: N concurrent requests of P prompt tokens")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--common", default="--gpu-memory-utilization 0.85",
+                    help="flags every server gets (stock too)")
+    ap.add_argument("--eager", action="store_true", help="add --enforce-eager everywhere")
+    ap.add_argument("--json", help="write every run here")
+    args = ap.parse_args()
+    if args.model is None:
+        from vllm_kvevict.models import ensure_smollm2
+
+        args.model = ensure_smollm2()
+    common = shlex.split(args.common) + (["--enforce-eager"] if args.eager else [])
+    configs = {"stock": common}
+    for p in args.policies:
+        configs[p] = [*common, "--kv-eviction", p, "--kv-budget", args.budget]
+    workloads, offset = {}, 0
+    for w in args.workloads:
+        n, length = parse_workload(w)
+        workloads[w] = make_prompts(args.model, n, length, seed_offset=offset)
+        offset += 7  # no two workloads share a first block (prefix caching is on)
+    warmup = make_prompts(args.model, 1, 64, seed_offset=3)[0]
+    runs = []
+    for r in range(args.rounds):
+        order = list(configs) if r % 2 == 0 else list(configs)[::-1]
+        for name in order:
+            row = {"round": r, "config": name, **run_server(args.model, configs[name], workloads,
+                                                           warmup, args.max_tokens)}
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            runs.append(row)
+    print(f"# vllm serve, memory ample: policies at --kv-budget {args.budget} vs stock, "
+          f"{args.rounds} rounds (commit {git_head()})\n")
+    print(f"flags for every server: `{' '.join(common)}`; {args.max_tokens} tokens out, greedy\n")
+    head = ["config"] + [f"{w} tok/s (median)" for w in workloads] + \
+           [f"{w} vs stock (rounds)" for w in workloads] + ["tokens evicted (mean)"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    stock = {r["round"]: r for r in runs if r["config"] == "stock"}
+    for name in configs:
+        mine = [r for r in runs if r["config"] == name]
+        cells = [name]
+        cells += [f"{statistics.median(r[w]['tok_s'] for r in mine):.1f}" for w in workloads]
+        for w in workloads:
+            ratios = [r[w]["tok_s"] / stock[r["round"]][w]["tok_s"] for r in mine]
+            cells.append(f"**{statistics.median(ratios):.2f}x** "
+                         f"({', '.join(f'{x:.2f}' for x in ratios)})")
+        cells.append(f"{statistics.mean(r['evicted'] for r in mine):.0f}")
+        print("| " + " | ".join(cells) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(runs, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
