@@ -9,6 +9,13 @@ Each cell is the median of --reps calls after one warm-up, ms; GMAC/s counts
 the logits' multiply-adds (queries x visible keys x D) only. Paths the CPU
 lacks are left out. Both sides score the same keys read from the same paged
 cache (the torch path gathers them first, as it does in the engine).
+
+The last columns are vLLM's own CPU attention (`cpu_attention_with_kv_cache`,
+the kernel stock vLLM runs) over the same queries, visible keys and cache, and
+the best scoring path's time over it: what scoring costs at the price of the
+attention it sits beside (issue 35's title). The flush shapes' 32 queries a
+row are 32 decode steps in the engine; here they go to vLLM's kernel as one
+32-query non-causal chunk, the same logits.
 """
 from __future__ import annotations
 
@@ -41,6 +48,28 @@ def median_ms(fn, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def vllm_attention(ops, isa: str, q: torch.Tensor, kc, vc, rows: torch.Tensor, n: int,
+                   causal: bool):
+    """vLLM's CPU attention for r requests of nq queries each (q: (r, nq, H*G, D)),
+    each over its n keys in blocks `rows` (r, nblk); causal: query t sees
+    n - nq + 1 + t keys, as `vis` says for the scoring side. Returns the call
+    to time: the scheduler metadata is built once, as vLLM builds it once a
+    step for every layer."""
+    r, nq, qh, d = q.shape
+    qsl = torch.arange(0, (r + 1) * nq, nq, dtype=torch.int32)
+    sl = torch.full((r,), n, dtype=torch.int32)
+    md = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=r, num_heads=qh, num_kv_heads=H, head_dim=d, seq_lens=sl, dtype=q.dtype,
+        query_start_loc=qsl, causal=causal, sliding_window_size=-1, isa=isa,
+        enable_kv_split=False)
+    flat = q.reshape(r * nq, qh, d)
+    out, table = torch.empty_like(flat), rows.to(torch.int32)
+    return lambda: ops.cpu_attention_with_kv_cache(
+        query=flat, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl,
+        seq_lens=sl, scale=d**-0.5, causal=causal, alibi_slopes=None, sliding_window=-1,
+        block_table=table, softcap=0.0, scheduler_metadata=md, s_aux=None)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=1)
@@ -66,7 +95,9 @@ def main(argv=None) -> int:
     nb = 4096
     kv = torch.randn(nb, H, BS, 2 * D, generator=gen).bfloat16()
     kc, _ = layout.split(kv)
-    cols = ["shape", "torch ms", *(f"{i} ms (x torch)" for i in paths), f"best GMAC/s"]
+    vc = layout.split(kv)[1]
+    cols = ["shape", "torch ms", *(f"{i} ms (x torch)" for i in paths), "best GMAC/s",
+            "vLLM attention ms", "best scoring / vLLM attention"]
     lines = ["| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
     for name, r, nq, n, causal in SHAPES:
         nblk = -(-n // BS)
@@ -82,7 +113,9 @@ def main(argv=None) -> int:
                           args.reps)
             best = min(best, t)
             cells.append(f"{t:.2f} ({t_torch / t:.1f}x)")
-        lines.append(f"| {name} | {t_torch:.2f} | " + " | ".join(cells) + f" | {macs / best / 1e6:.0f} |")
+        t_attn = median_ms(vllm_attention(ops, layout_isa, q, kc, vc, rows, n, causal), args.reps)
+        lines.append(f"| {name} | {t_torch:.2f} | " + " | ".join(cells) +
+                     f" | {macs / best / 1e6:.0f} | {t_attn:.2f} | {best / t_attn:.2f} |")
         print(lines[-1], file=sys.stderr, flush=True)
     head = [f"command: `{' '.join([os.path.relpath(sys.executable)] + sys.argv)}`  ",
             f"CPU: {platform.processor() or platform.machine()}, flags `{cpu_kernel.cpu_flags()}`"
