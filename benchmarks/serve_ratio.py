@@ -13,7 +13,7 @@ rounds and each round's ratio.
 
     python benchmarks/serve_ratio.py                       # stock, h2o, snapkv, andpro, streaming at 0.9
     python benchmarks/serve_ratio.py --rounds 3 --workloads 16x512 8x3000
-    python benchmarks/serve_ratio.py --policies h2o --budget 1024 --eager
+    python benchmarks/serve_ratio.py --policies h2o --budget 1024 --eager --plot serve.png
 
 `--common` (default `--gpu-memory-utilization 0.85`) goes to every server:
 vLLM's own startup check wants 0.92 of RAM free when the worker starts, which a
@@ -79,6 +79,36 @@ def run_server(model: str, flags: list[str], workloads: dict, warmup: list[int],
     return row
 
 
+def ratios(runs: list[dict], workload: str) -> dict[str, list[float]]:
+    """Per configuration, its tokens/s over stock's in the same round, by round."""
+    stock = {r["round"]: r[workload]["tok_s"] for r in runs if r["config"] == "stock"}
+    out: dict[str, list[float]] = {}
+    for r in runs:
+        out.setdefault(r["config"], []).append(r[workload]["tok_s"] / stock[r["round"]])
+    return out
+
+
+def plot(runs: list[dict], workloads: list[str], path: str) -> None:
+    """Bars: each configuration's median ratio to stock per workload, rounds as dots."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4.5 * len(workloads), 3.5), squeeze=False)
+    for ax, w in zip(axes[0], workloads):
+        by = ratios(runs, w)
+        names = list(by)
+        ax.bar(names, [statistics.median(by[n]) for n in names], color="#8aa9d6")
+        for i, n in enumerate(names):
+            ax.plot([i] * len(by[n]), by[n], "k.", ms=5)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_title(f"{w} prompt tokens")
+        ax.set_ylabel("output tok/s vs stock (same round)")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
@@ -92,6 +122,7 @@ def main() -> int:
                     help="flags every server gets (stock too)")
     ap.add_argument("--eager", action="store_true", help="add --enforce-eager everywhere")
     ap.add_argument("--json", help="write every run here")
+    ap.add_argument("--plot", help="write the ratios as a bar chart here (PNG)")
     args = ap.parse_args()
     if args.model is None:
         from vllm_kvevict.models import ensure_smollm2
@@ -122,20 +153,21 @@ def main() -> int:
            [f"{w} vs stock (rounds)" for w in workloads] + ["tokens evicted (mean)"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
-    stock = {r["round"]: r for r in runs if r["config"] == "stock"}
+    by = {w: ratios(runs, w) for w in workloads}
     for name in configs:
         mine = [r for r in runs if r["config"] == name]
         cells = [name]
         cells += [f"{statistics.median(r[w]['tok_s'] for r in mine):.1f}" for w in workloads]
         for w in workloads:
-            ratios = [r[w]["tok_s"] / stock[r["round"]][w]["tok_s"] for r in mine]
-            cells.append(f"**{statistics.median(ratios):.2f}x** "
-                         f"({', '.join(f'{x:.2f}' for x in ratios)})")
+            cells.append(f"**{statistics.median(by[w][name]):.2f}x** "
+                         f"({', '.join(f'{x:.2f}' for x in by[w][name])})")
         cells.append(f"{statistics.mean(r['evicted'] for r in mine):.0f}")
         print("| " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(runs, f, indent=1)
+    if args.plot:
+        plot(runs, list(workloads), args.plot)
     return 0
 
 
