@@ -31,6 +31,21 @@ def fmt(v, spec=""):
     return "-" if v is None else format(v, spec)
 
 
+# --------------------------------------------------------------------------- servers
+
+
+def typed_server(model: str, flags: list[str], *, stock: bool = False, timeout: float = 900):
+    """`vllm serve MODEL FLAGS` exactly as a user types it (not yet started):
+    none of the suite's defaults (eval/server.py DEFAULT_ARGS) and no
+    VLLM_CPU_KVCACHE_SPACE, so vLLM sizes the KV cache itself. stock: our
+    plugin not loaded at all."""
+    from vllm_kvevict.eval.server import Server
+
+    srv = Server(model, *flags, stock=stock, defaults=(), start_timeout=timeout)
+    srv.env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    return srv
+
+
 # --------------------------------------------------------------------------- workload
 
 

@@ -53,8 +53,8 @@ def vllm_attention(ops, isa: str, q: torch.Tensor, kc, vc, rows: torch.Tensor, n
     """vLLM's CPU attention for r requests of nq queries each (q: (r, nq, H*G, D)),
     each over its n keys in blocks `rows` (r, nblk); causal: query t sees
     n - nq + 1 + t keys, as `vis` says for the scoring side. Returns the call
-    to time: the scheduler metadata is built once, as vLLM builds it once a
-    step for every layer."""
+    to time and the (r * nq, H*G, D) tensor it writes: the scheduler metadata
+    is built once, as vLLM builds it once a step for every layer."""
     r, nq, qh, d = q.shape
     qsl = torch.arange(0, (r + 1) * nq, nq, dtype=torch.int32)
     sl = torch.full((r,), n, dtype=torch.int32)
@@ -64,10 +64,10 @@ def vllm_attention(ops, isa: str, q: torch.Tensor, kc, vc, rows: torch.Tensor, n
         enable_kv_split=False)
     flat = q.reshape(r * nq, qh, d)
     out, table = torch.empty_like(flat), rows.to(torch.int32)
-    return lambda: ops.cpu_attention_with_kv_cache(
+    return (lambda: ops.cpu_attention_with_kv_cache(
         query=flat, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl,
         seq_lens=sl, scale=d**-0.5, causal=causal, alibi_slopes=None, sliding_window=-1,
-        block_table=table, softcap=0.0, scheduler_metadata=md, s_aux=None)
+        block_table=table, softcap=0.0, scheduler_metadata=md, s_aux=None)), out
 
 
 def main(argv=None) -> int:
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
                           args.reps)
             best = min(best, t)
             cells.append(f"{t:.2f} ({t_torch / t:.1f}x)")
-        t_attn = median_ms(vllm_attention(ops, layout_isa, q, kc, vc, rows, n, causal), args.reps)
+        t_attn = median_ms(vllm_attention(ops, layout_isa, q, kc, vc, rows, n, causal)[0], args.reps)
         lines.append(f"| {name} | {t_torch:.2f} | " + " | ".join(cells) +
                      f" | {macs / best / 1e6:.0f} | {t_attn:.2f} | {best / t_attn:.2f} |")
         print(lines[-1], file=sys.stderr, flush=True)

@@ -30,7 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
-from common import fmt, git_head, make_prompts
+from common import fmt, git_head, make_prompts, typed_server
 
 from vllm_kvevict.eval.server import Server
 
@@ -56,9 +56,7 @@ def run_one(model: str, flags: str, prompts: list[list[int]], max_tokens: int,
             timeout: float) -> dict:
     import psutil
 
-    # Nothing sized: no suite defaults, no VLLM_CPU_KVCACHE_SPACE.
-    srv = Server(model, *shlex.split(flags), defaults=(), start_timeout=timeout)
-    srv.env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    srv = typed_server(model, shlex.split(flags), timeout=timeout)  # nothing sized
     row = {"flags": flags or "(stock)", "survived": False}
     peak = {"rss": 0, "least_available": psutil.virtual_memory().available}
     stop = threading.Event()

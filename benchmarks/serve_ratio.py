@@ -31,9 +31,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
-from common import git_head, make_prompts
+from common import git_head, make_prompts, typed_server
 
 from vllm_kvevict.eval.server import Server
+
+
+COMMON = "--gpu-memory-utilization 0.85"  # every server's flags (module docstring)
 
 
 def parse_workload(text: str) -> tuple[int, int]:
@@ -62,9 +65,7 @@ def run_workload(srv: Server, prompts: list[list[int]], max_tokens: int) -> dict
 def run_server(model: str, flags: list[str], workloads: dict, warmup: list[int],
                max_tokens: int) -> dict:
     """One fresh server: start, warm up, each workload in turn, stop."""
-    srv = Server(model, *flags, stock="--kv-eviction" not in flags, defaults=(),
-                 start_timeout=900)
-    srv.env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM sizes the cache, as typed
+    srv = typed_server(model, flags, stock="--kv-eviction" not in flags)
     t0 = time.perf_counter()
     with srv:
         row = {"startup_s": round(time.perf_counter() - t0)}
@@ -118,7 +119,7 @@ def main() -> int:
                     help="NxP: N concurrent requests of P prompt tokens")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--common", default="--gpu-memory-utilization 0.85",
+    ap.add_argument("--common", default=COMMON,
                     help="flags every server gets (stock too)")
     ap.add_argument("--eager", action="store_true", help="add --enforce-eager everywhere")
     ap.add_argument("--json", help="write every run here")

@@ -16,6 +16,7 @@ Needs py-spy (`.venv/bin/pip install py-spy`); the raw samples go to --out.
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
 import signal
 import subprocess
@@ -25,10 +26,8 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from common import make_prompts  # noqa: E402
-from serve_ratio import parse_workload, run_workload  # noqa: E402
-
-from vllm_kvevict.eval.server import Server  # noqa: E402
+from common import make_prompts, typed_server  # noqa: E402
+from serve_ratio import COMMON, parse_workload, run_workload  # noqa: E402
 
 VLLM_ATTENTION = "forward (vllm/v1/attention/backends/cpu_attn.py"
 
@@ -66,9 +65,8 @@ def main() -> int:
     model = ensure_smollm2()
     n, length = parse_workload(args.workload)
     prompts = make_prompts(model, n, length, seed_offset=7)
-    srv = Server(model, "--gpu-memory-utilization", "0.85", *args.flags,
-                 stock="--kv-eviction" not in args.flags, defaults=(), start_timeout=900)
-    srv.env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    srv = typed_server(model, [*shlex.split(COMMON), *args.flags],
+                       stock="--kv-eviction" not in args.flags)
     with srv:
         run_workload(srv, [make_prompts(model, 1, 64, seed_offset=3)[0]], 8)
         worker = next(p for p in srv.processes() if "Worker" in p.name())
