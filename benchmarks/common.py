@@ -46,6 +46,33 @@ def typed_server(model: str, flags: list[str], *, stock: bool = False, timeout: 
     return srv
 
 
+def parse_workload(text: str) -> tuple[int, int]:
+    """'8x3000' -> (8 requests, 3000 prompt tokens)."""
+    n, _, p = text.partition("x")
+    return int(n), int(p)
+
+
+def run_workload(srv, prompts: list[list[int]], max_tokens: int, timeout: float = 1800) -> dict:
+    """Send every prompt (token ids) to `srv`'s /v1/completions at once, greedy,
+    ignore_eos; wall time until the last completes, completion tokens, tokens/s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+
+    body = {"model": srv.model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+    def post(prompt):
+        r = requests.post(srv.url + "/v1/completions", json={**body, "prompt": prompt},
+                          timeout=timeout)
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"]
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        tokens = sum(pool.map(post, prompts))
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall}
+
 # --------------------------------------------------------------------------- workload
 
 

@@ -27,10 +27,8 @@ import shlex
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-import requests
-from common import fmt, git_head, make_prompts, typed_server
+from common import fmt, git_head, make_prompts, run_workload, typed_server
 
 from vllm_kvevict.eval.server import Server
 
@@ -68,19 +66,8 @@ def run_one(model: str, flags: str, prompts: list[list[int]], max_tokens: int,
         row["startup_s"] = round(time.time() - t0)
         procs = srv.processes()
         watcher.start()
-        body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-
-        def post(prompt):
-            r = requests.post(srv.url + "/v1/completions", json={**body, "prompt": prompt},
-                              timeout=timeout)
-            r.raise_for_status()
-            return r.json()
-
-        t1 = time.time()
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            outs = list(pool.map(post, prompts))
-        row["seconds"] = round(time.time() - t1, 1)
-        row["tok_s"] = round(sum(o["usage"]["completion_tokens"] for o in outs) / row["seconds"], 2)
+        run = run_workload(srv, prompts, max_tokens, timeout)
+        row["seconds"], row["tok_s"] = round(run["wall_s"], 1), round(run["tok_s"], 2)
         row["survived"] = srv.proc.poll() is None
     except Exception as e:  # a dead engine answers 500, a dead server refuses
         row["error"] = f"{type(e).__name__}: {e}"[:120]

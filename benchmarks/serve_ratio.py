@@ -28,38 +28,10 @@ import shlex
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-import requests
-from common import git_head, make_prompts, typed_server
-
-from vllm_kvevict.eval.server import Server
-
+from common import git_head, make_prompts, parse_workload, run_workload, typed_server
 
 COMMON = "--gpu-memory-utilization 0.85"  # every server's flags (module docstring)
-
-
-def parse_workload(text: str) -> tuple[int, int]:
-    """'8x3000' -> (8 requests, 3000 prompt tokens)."""
-    n, _, p = text.partition("x")
-    return int(n), int(p)
-
-
-def run_workload(srv: Server, prompts: list[list[int]], max_tokens: int) -> dict:
-    """Send every prompt at once; wall time until the last completes."""
-    body = {"model": srv.model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-
-    def post(prompt):
-        r = requests.post(srv.url + "/v1/completions", json={**body, "prompt": prompt},
-                          timeout=1800)
-        r.raise_for_status()
-        return r.json()["usage"]["completion_tokens"]
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        tokens = sum(pool.map(post, prompts))
-    wall = time.perf_counter() - t0
-    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall}
 
 
 def run_server(model: str, flags: list[str], workloads: dict, warmup: list[int],

@@ -26,8 +26,8 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from common import make_prompts, typed_server  # noqa: E402
-from serve_ratio import COMMON, parse_workload, run_workload  # noqa: E402
+from common import make_prompts, parse_workload, run_workload, typed_server  # noqa: E402
+from serve_ratio import COMMON  # noqa: E402
 
 VLLM_ATTENTION = "forward (vllm/v1/attention/backends/cpu_attn.py"
 
