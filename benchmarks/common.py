@@ -34,6 +34,12 @@ def fmt(v, spec=""):
 # --------------------------------------------------------------------------- servers
 
 
+# What serve_ratio and serve_profile give every server, stock too: vLLM's own
+# startup check wants 0.92 of RAM free when the worker starts, which a 24 GiB
+# machine misses by ~0.2 GiB on some starts (README).
+SERVE_FLAGS = "--gpu-memory-utilization 0.85"
+
+
 def typed_server(model: str, flags: list[str], *, stock: bool = False, timeout: float = 900):
     """`vllm serve MODEL FLAGS` exactly as a user types it (not yet started):
     none of the suite's defaults (eval/server.py DEFAULT_ARGS) and no

@@ -29,9 +29,7 @@ import statistics
 import sys
 import time
 
-from common import git_head, make_prompts, parse_workload, run_workload, typed_server
-
-COMMON = "--gpu-memory-utilization 0.85"  # every server's flags (module docstring)
+from common import SERVE_FLAGS, git_head, make_prompts, parse_workload, run_workload, typed_server
 
 
 def run_server(model: str, flags: list[str], workloads: dict, warmup: list[int],
@@ -91,7 +89,7 @@ def main() -> int:
                     help="NxP: N concurrent requests of P prompt tokens")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--common", default=COMMON,
+    ap.add_argument("--common", default=SERVE_FLAGS,
                     help="flags every server gets (stock too)")
     ap.add_argument("--eager", action="store_true", help="add --enforce-eager everywhere")
     ap.add_argument("--json", help="write every run here")

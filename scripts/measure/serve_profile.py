@@ -26,8 +26,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from common import make_prompts, parse_workload, run_workload, typed_server  # noqa: E402
-from serve_ratio import COMMON  # noqa: E402
+from common import SERVE_FLAGS, make_prompts, parse_workload, run_workload, typed_server  # noqa: E402
 
 VLLM_ATTENTION = "forward (vllm/v1/attention/backends/cpu_attn.py"
 
@@ -65,7 +64,7 @@ def main() -> int:
     model = ensure_smollm2()
     n, length = parse_workload(args.workload)
     prompts = make_prompts(model, n, length, seed_offset=7)
-    srv = typed_server(model, [*shlex.split(COMMON), *args.flags],
+    srv = typed_server(model, [*shlex.split(SERVE_FLAGS), *args.flags],
                        stock="--kv-eviction" not in args.flags)
     with srv:
         run_workload(srv, [make_prompts(model, 1, 64, seed_offset=3)[0]], 8)
