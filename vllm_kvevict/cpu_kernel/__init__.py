@@ -34,7 +34,8 @@ from vllm_kvevict.core.config.env import env_choice
 
 NAME = "vllm_kvevict_cpu_scores"
 SOURCE = Path(__file__).with_name("column_sums.cpp")
-HEADERS = [Path(__file__).with_name(h) for h in ("token_moves.h", "window_projection.h")]  # included by SOURCE
+HEADERS = [Path(__file__).with_name(h)
+           for h in ("token_moves.h", "window_projection.h", "fused_attention.h")]  # included by SOURCE
 # -fopenmp: at::parallel_for is a header template that runs its tasks on one
 # thread unless the caller is compiled with OpenMP. Linked against libgomp.so.1,
 # the one torch already loaded (same soname), so the kernel shares torch's
@@ -227,3 +228,34 @@ def window_projection_paged(layout, key_cache: torch.Tensor, value_cache: torch.
     return module().window_projection_paged(q.contiguous(), key_cache, value_cache, k_offsets,
                                             v_offsets, slots.long().contiguous(), float(scale),
                                             path_isa, bool(split))
+
+
+def fuses_attention(layout, dtype: torch.dtype) -> bool:
+    """Whether `attend_add_column_sums` reads this cache: bf16, head size a
+    multiple of 16 up to 128, values as vLLM's vec layouts keep them (a
+    token's dims contiguous), on a CPU with AVX-512 BF16."""
+    mod = module()
+    d, bs = layout.head_size, layout.block_size
+    return (mod is not None and mod.supports("avx512bf16") and dtype == torch.bfloat16
+            and d % 16 == 0 and d <= 128 and bs % 16 == 0 and layout.k_tiles is not None
+            and layout.v_tiles is not None and tuple(layout.v_tiles[:3]) == (bs, d, 0)
+            and layout.v_tiles[4] == d and layout.v_tiles[6] == 1)
+
+
+def attend_add_column_sums(out: torch.Tensor, layout, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, query: torch.Tensor, starts: torch.Tensor,
+                           seq: torch.Tensor, blocks: torch.Tensor, score_rows: torch.Tensor,
+                           scale: float, scores: torch.Tensor) -> None:
+    """Causal attention of a step's queries into `out`, and H2O's column sums
+    of the rows in `score_rows` added into `scores`, in one pass over the paged
+    cache (fused_attention.h; `fuses_attention` says where it runs).
+
+    out, query: (N, H_q, D) bf16 (out contiguous); key_cache / value_cache
+    [NB, H, BS, D] (KVLayout.split); starts (R + 1,) and seq (R,): each row's
+    queries and physical length (vLLM's query_start_loc and seq_lens); blocks
+    (R, nblk) its block table; score_rows (R,) bool; scores (H, NB * BS)
+    float32, added at each scored row's slots (rows must not share blocks)."""
+    module().attend_add_column_sums(out, query, key_cache, value_cache, starts.long().contiguous(),
+                                    seq.long().contiguous(), blocks.long().contiguous(),
+                                    score_rows.bool().contiguous(), float(scale),
+                                    list(layout.k_tiles), list(layout.v_tiles), scores)

@@ -23,7 +23,8 @@
 // value is exact in bf16, so its keys are decoded into the same operands.
 //
 // AnDPro's window scores (A V and its projections) live in window_projection.h,
-// included near the end of this file; compaction's copies in token_moves.h.
+// attention with H2O's scores in one pass in fused_attention.h, both included
+// near the end of this file; compaction's copies in token_moves.h.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -143,14 +144,11 @@ inline __m512 exp2_512(__m512 t) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Softmax of `nb` rows of raw (unscaled) logits, row j over [0, vis[j]) with
-// row stride ld, added to `col` over [0, n16) (n16 a multiple of 16, past
-// every vis). Rows are turned into exp(scale * (l - max)) in place, zero past
-// their horizon, then summed into `col` 16 keys at a time over all rows, so
-// `col` is read and written once per block, not once per row.
-void softmax_block_512(float* l, int64_t ld, const int64_t* vis, int64_t nb, int64_t n16,
-                       float scale, float* col) {
-  float inv[32];
+// `nb` rows of raw (unscaled) logits, row j over [0, vis[j]) with row stride
+// ld, turned into exp(scale * (l - max)) in place, zero past their horizon up
+// to n16 (a multiple of 16, past every vis); inv[j] = 1 / row j's sum.
+void exp_rows_512(float* l, int64_t ld, const int64_t* vis, int64_t nb, int64_t n16,
+                  float scale, float* inv) {
   const float c = scale * 1.44269504088896341f;  // exp(scale * x) = 2^(c * x)
   const __m512 vc = _mm512_set1_ps(c);
   for (int64_t j = 0; j < nb; ++j) {
@@ -178,12 +176,25 @@ void softmax_block_512(float* l, int64_t ld, const int64_t* vis, int64_t nb, int
     for (; i < n16; i += 16) _mm512_storeu_ps(row + i, _mm512_setzero_ps());
     inv[j] = 1.0f / _mm512_reduce_add_ps(s);
   }
+}
+
+// exp_rows_512's rows, each times its inv, summed into `col` over [0, n16),
+// 16 keys at a time over all rows: `col` is read and written once per block.
+void add_rows_512(const float* l, int64_t ld, const float* inv, int64_t nb, int64_t n16, float* col) {
   for (int64_t i = 0; i < n16; i += 16) {
     __m512 acc = _mm512_loadu_ps(col + i);
     for (int64_t j = 0; j < nb; ++j)
       acc = _mm512_fmadd_ps(_mm512_loadu_ps(l + j * ld + i), _mm512_set1_ps(inv[j]), acc);
     _mm512_storeu_ps(col + i, acc);
   }
+}
+
+// Softmax of the rows (exp_rows_512) added to `col` (add_rows_512).
+void softmax_block_512(float* l, int64_t ld, const int64_t* vis, int64_t nb, int64_t n16,
+                       float scale, float* col) {
+  float inv[32];
+  exp_rows_512(l, ld, vis, nb, n16, scale, inv);
+  add_rows_512(l, ld, inv, nb, n16, col);
 }
 
 // Keys [0, n) (n a multiple of 16) of (r, h) as vdpbf16ps operands:
@@ -751,6 +762,8 @@ void add_column_sums(at::Tensor scores, const at::Tensor& key_cache, const at::T
 
 // AnDPro's window scores: reuses the helpers above, so included here.
 #include "window_projection.h"
+// Attention and H2O's column sums in one pass: reuses them too.
+#include "fused_attention.h"
 
 }  // namespace
 
@@ -773,6 +786,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("split") = true);
   m.def("window_projection_paged", &window_projection_paged,
         "AnDPro's window scores with K and V read in place from the paged CPU cache");
+  m.def("attend_add_column_sums", &attend_add_column_sums,
+        "causal attention from the paged CPU cache into out, and H2O's column sums of the scored "
+        "rows added into scores, in one pass (AVX-512 BF16)");
   m.def("parallel_threads", &parallel_threads,
         "threads the kernel's tasks run on (torch's intra-op count; 1 without OpenMP)");
   m.def("supports", &supports, "whether this CPU runs the named path (avx512bf16 | avx2)");

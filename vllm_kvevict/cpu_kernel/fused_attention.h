@@ -1,0 +1,270 @@
+// Causal attention and H2O's column sums in one pass, from vLLM's paged CPU
+// cache (included by column_sums.cpp, whose helpers it uses).
+//
+// One call per layer and step, over vLLM's own batch description: row r has
+// queries [starts[r], starts[r + 1]) and seq[r] keys (physical), its query t
+// seeing keys [0, seq[r] - len + 1 + t). For every query row and head:
+//
+//     out[tok, head] = sum_i softmax_i(q . k_i * scale) v_i              (bf16, RNE)
+//     scores[h, slot(r, i)] += sum over its GQA group and queries of softmax_i
+//                                                     (only where score_rows[r])
+//
+// Precision: logits as the scoring kernel computes them (bf16 products exact,
+// float32 accumulation by vdpbf16ps), softmax, column sums and P V in float32
+// (values widened), the output rounded to bf16 once. vLLM's CPU attention
+// (its vec path: float32 logits, probabilities and P V) computes the same
+// quantities in the same precision in another order: the two outputs differ
+// in a few bf16 roundings per 10,000 (tests/test_fused_attention.py).
+//
+// Work: tasks (r, h, split), a (row, KV head)'s query rows in blocks of ROWS
+// interleaved over its splits (causal rows balance), sized by their logits
+// and pulled by the threads from a shared counter, largest first. A task packs
+// its keys (pack_keys_bf16) and widens its values once, then per row block:
+// logits tile, exps in place, column sums, P V. Values must lie as vLLM's vec
+// layouts keep them, a token's D dims contiguous ([BS][D] per block and head).
+#include <atomic>
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
+
+namespace fused {
+
+struct Task {
+  int64_t r, h, split, splits, work;
+  int64_t col;  // offset of its column sums in the shared buffer, or -1 (row not scored)
+};
+
+struct Batch {
+  const int64_t *starts, *seq, *blocks;
+  const bool* score;
+  int64_t nblk, bs, d, g, hq;
+  int64_t qs0, qs1;  // query strides (token, head), in elements
+};
+
+// Rows (token, head, visible) of a task, in token order.
+void task_rows(const Batch& b, const Task& t, std::vector<int64_t>& tok, std::vector<int64_t>& head,
+               std::vector<int64_t>& vis) {
+  tok.clear(); head.clear(); vis.clear();
+  const int64_t s0 = b.starts[t.r], len = b.starts[t.r + 1] - s0, past = b.seq[t.r] - len;
+  int64_t n = 0;
+  for (int64_t i = 0; i < len; ++i)
+    for (int64_t gg = 0; gg < b.g; ++gg, ++n) {
+      if ((n / ROWS) % t.splits != t.split) continue;
+      tok.push_back(s0 + i);
+      head.push_back(t.h * b.g + gg);
+      vis.push_back(past + 1 + i);
+    }
+}
+
+// Values [0, n) of (r, h) widened to float32, [n][D].
+void widen_values(const at::Tensor& vc, const Batch& b, int64_t r, int64_t h, int64_t n, float* out) {
+  const uint16_t* base = reinterpret_cast<const uint16_t*>(vc.data_ptr<at::BFloat16>());
+  for (int64_t i = 0; i < n; i += b.bs) {
+    const uint16_t* src = base + b.blocks[r * b.nblk + i / b.bs] * vc.stride(0) + h * vc.stride(1);
+    const int64_t m = std::min(b.bs, n - i) * b.d;  // a block's tokens are contiguous rows
+    float* dst = out + i * b.d;
+    for (int64_t k = 0; k < m; k += 16) {
+      const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + k)));
+      _mm512_storeu_ps(dst + k, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    }
+  }
+}
+
+// out rows = inv * sum_i p[j, i] v_i for JN rows of exps (zero past a row's
+// horizon), DV 16-dim vectors per head: each value row loaded once per JN rows.
+template <int JN, int DV>
+inline void pv_rows(const float* p, int64_t ld, const int64_t* vis, const float* inv, const float* v,
+                    uint16_t* const* dst) {
+  int64_t top = 0;
+  for (int j = 0; j < JN; ++j) top = std::max(top, vis[j]);
+  __m512 acc[JN][DV];
+  for (int j = 0; j < JN; ++j)
+    for (int c = 0; c < DV; ++c) acc[j][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < top; ++i) {
+    __m512 vr[DV];
+    for (int c = 0; c < DV; ++c) vr[c] = _mm512_loadu_ps(v + i * DV * 16 + c * 16);
+    for (int j = 0; j < JN; ++j) {
+      const __m512 pj = _mm512_set1_ps(p[j * ld + i]);
+      for (int c = 0; c < DV; ++c) acc[j][c] = _mm512_fmadd_ps(pj, vr[c], acc[j][c]);
+    }
+  }
+  for (int j = 0; j < JN; ++j) {
+    const __m512 s = _mm512_set1_ps(inv[j]);
+    for (int c = 0; c < DV; ++c) {
+      const __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[j][c], s));
+      std::memcpy(dst[j] + c * 16, &o, 32);
+    }
+  }
+}
+
+template <int DV>
+void pv_block(const float* p, int64_t ld, const int64_t* vis, const float* inv, const float* v,
+              uint16_t* const* dst, int64_t nb) {
+  constexpr int JN = DV <= 4 ? 4 : 2;  // JN x DV accumulators within 32 registers
+  int64_t j = 0;
+  for (; j + JN <= nb; j += JN) pv_rows<JN, DV>(p + j * ld, ld, vis + j, inv + j, v, dst + j);
+  for (; j < nb; ++j) pv_rows<1, DV>(p + j * ld, ld, vis + j, inv + j, v, dst + j);
+}
+
+struct Scratch {
+  std::vector<uint16_t> keys;
+  std::vector<float> values, logits;
+  std::vector<int32_t> qp;
+  std::vector<int64_t> tok, head, vis;
+};
+
+void run_task(const Work& w, const at::Tensor& vc, const Batch& b, const Task& t, const uint16_t* q,
+              uint16_t* out, float* col, Scratch& s) {
+  task_rows(b, t, s.tok, s.head, s.vis);
+  if (s.tok.empty()) return;
+  const int64_t d = b.d, hp = d / 2;
+  const int64_t hi = (*std::max_element(s.vis.begin(), s.vis.end()) + 15) / 16 * 16;
+  s.keys.resize(hi * d);
+  s.values.resize(hi * d);
+  s.logits.resize(ROWS * hi);
+  s.qp.assign(ROWS * hp, 0);
+  pack_keys_bf16(w, t.r, t.h, hi, s.keys.data());
+  widen_values(vc, b, t.r, t.h, *std::max_element(s.vis.begin(), s.vis.end()), s.values.data());
+  float inv[ROWS];
+  uint16_t* dst[ROWS];
+  for (size_t b0 = 0; b0 < s.tok.size(); b0 += ROWS) {
+    const int64_t nb = std::min<int64_t>(ROWS, s.tok.size() - b0);
+    int64_t bhi = 0;
+    std::fill(s.qp.begin(), s.qp.end(), 0);
+    for (int64_t j = 0; j < nb; ++j) {
+      std::memcpy(&s.qp[j * hp], q + s.tok[b0 + j] * b.qs0 + s.head[b0 + j] * b.qs1, d * 2);
+      dst[j] = out + (s.tok[b0 + j] * b.hq + s.head[b0 + j]) * d;
+      bhi = std::max(bhi, s.vis[b0 + j]);
+    }
+    const int64_t nc = (bhi + 15) / 16;
+    float* l = s.logits.data();
+    int64_t c = 0;
+    for (; c + 1 < nc; c += 2) dot_bf16<2>(s.keys.data() + c * 16 * d, s.qp.data(), hp, l + c * 16, hi);
+    if (c < nc) dot_bf16<1>(s.keys.data() + c * 16 * d, s.qp.data(), hp, l + c * 16, hi);
+    const int64_t* vis = s.vis.data() + b0;
+    exp_rows_512(l, hi, vis, nb, nc * 16, w.scale, inv);
+    if (col != nullptr) add_rows_512(l, hi, inv, nb, nc * 16, col);
+    switch (d / 16) {
+      case 1: pv_block<1>(l, hi, vis, inv, s.values.data(), dst, nb); break;
+      case 2: pv_block<2>(l, hi, vis, inv, s.values.data(), dst, nb); break;
+      case 3: pv_block<3>(l, hi, vis, inv, s.values.data(), dst, nb); break;
+      case 4: pv_block<4>(l, hi, vis, inv, s.values.data(), dst, nb); break;
+      case 5: pv_block<5>(l, hi, vis, inv, s.values.data(), dst, nb); break;
+      case 6: pv_block<6>(l, hi, vis, inv, s.values.data(), dst, nb); break;
+      case 7: pv_block<7>(l, hi, vis, inv, s.values.data(), dst, nb); break;
+      default: pv_block<8>(l, hi, vis, inv, s.values.data(), dst, nb); break;
+    }
+  }
+}
+
+}  // namespace fused
+
+#pragma GCC pop_options
+
+// See the file's head. out, q: (N, H_q, D) bf16 (q strided by token and head,
+// out contiguous); key_cache / value_cache [NB, H, BS, D] bf16 views
+// (KVLayout.split); starts (R + 1,), seq (R,), blocks (R, nblk), all int64;
+// score_rows (R,) bool; scores (H, NB * BS) float32, slots contiguous.
+void attend_add_column_sums(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& starts,
+                            const at::Tensor& seq, const at::Tensor& blocks,
+                            const at::Tensor& score_rows, double scale, std::vector<int64_t> k_tiles,
+                            std::vector<int64_t> v_tiles, at::Tensor scores) {
+  TORCH_CHECK(has_avx512bf16(), "the fused attention pass needs AVX-512 BF16");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.stride(2) == 1,
+              "q: (N, H_q, D) bf16, dims contiguous");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kBFloat16 && out.is_contiguous(),
+              "out: contiguous, q's shape, bf16");
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
+                  key_cache.scalar_type() == at::kBFloat16 && value_cache.scalar_type() == at::kBFloat16,
+              "key_cache, value_cache: [NB, H, BS, D] bf16");
+  const int64_t n = q.size(0), hq = q.size(1), d = q.size(2), h = key_cache.size(1),
+                bs = key_cache.size(2), r = seq.size(0), nblk = blocks.size(1);
+  TORCH_CHECK(key_cache.size(3) == d && hq % h == 0 && d % 16 == 0 && d <= 128,
+              "head sizes: D a multiple of 16 up to 128, H_q a multiple of H");
+  TORCH_CHECK(bs % 16 == 0, "block size must be a multiple of 16");
+  TORCH_CHECK(k_tiles.size() == 7 && v_tiles.size() == 7, "tiles: (T0, D0, base, st1, st0, sd1, sd0)");
+  TORCH_CHECK(v_tiles[0] == bs && v_tiles[1] == d && v_tiles[2] == 0 && v_tiles[4] == d && v_tiles[6] == 1,
+              "values: a token's dims contiguous, [BS][D] per block and head (vLLM's vec layouts)");
+  for (const at::Tensor* x : {&starts, &seq, &blocks})
+    TORCH_CHECK(x->scalar_type() == at::kLong && x->is_contiguous(), "starts, seq, blocks: contiguous int64");
+  TORCH_CHECK(starts.numel() == r + 1 && blocks.size(0) == r && score_rows.numel() == r &&
+                  score_rows.scalar_type() == at::kBool && score_rows.is_contiguous(),
+              "row counts disagree");
+  TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.dim() == 2 && scores.stride(1) == 1 &&
+                  scores.size(0) == h && scores.size(1) == key_cache.size(0) * bs,
+              "scores: float32 (H, NB * BS), slots contiguous");
+  const int64_t* st = starts.data_ptr<int64_t>();
+  const int64_t* sq = seq.data_ptr<int64_t>();
+  const int64_t* bl = blocks.data_ptr<int64_t>();
+  const bool* sc = score_rows.data_ptr<bool>();
+  TORCH_CHECK(r == 0 || (st[0] == 0 && st[r] == n), "starts must run from 0 to N");
+  for (int64_t i = 0; i < r; ++i) {
+    const int64_t len = st[i + 1] - st[i];
+    TORCH_CHECK(len >= 0 && len <= sq[i] && sq[i] <= nblk * bs, "row ", i, ": lengths disagree");
+    for (int64_t k = 0; k < (sq[i] + bs - 1) / bs; ++k)
+      TORCH_CHECK(bl[i * nblk + k] >= 0 && bl[i * nblk + k] < key_cache.size(0),
+                  "blocks name blocks outside the cache");
+  }
+  const int64_t g = hq / h;
+  fused::Batch b{st, sq, bl, sc, nblk, bs, d, g, hq, q.stride(0), q.stride(1)};
+  Work w{key_cache, bl, nblk, bs, d, g, 0, hq, nullptr, Tiles(k_tiles, bs, d), static_cast<float>(scale)};
+  // Splits: about 8 tasks per thread over the step, each (row, head) split in
+  // proportion to its logits (causal: len * (seq - len / 2)).
+  const int64_t threads = at::get_num_threads();
+  std::vector<int64_t> rw(r);
+  double total = 0;
+  for (int64_t i = 0; i < r; ++i) {
+    const int64_t len = st[i + 1] - st[i];
+    rw[i] = len * g * (sq[i] - len / 2);
+    total += double(rw[i]) * h;
+  }
+  std::vector<fused::Task> tasks;
+  int64_t cols = 0;
+  for (int64_t i = 0; i < r; ++i) {
+    const int64_t len = st[i + 1] - st[i];
+    if (len == 0) continue;
+    const int64_t blocks_of_rows = (len * g + ROWS - 1) / ROWS;
+    const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(
+        blocks_of_rows, int64_t(std::ceil(rw[i] * 8.0 * threads / std::max(total, 1.0)))));
+    const int64_t m = (sq[i] + 15) / 16 * 16;
+    for (int64_t hh = 0; hh < h; ++hh)
+      for (int64_t s = 0; s < splits; ++s) {
+        tasks.push_back({i, hh, s, splits, rw[i] / splits, sc[i] ? cols : -1});
+        if (sc[i]) cols += m;
+      }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const fused::Task& a, const fused::Task& c) { return a.work > c.work; });
+  std::vector<float> colbuf(cols, 0.0f);
+  const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  std::atomic<size_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(threads, tasks.size()), 1, [&](int64_t, int64_t) {
+    fused::Scratch s;
+    for (size_t i = next++; i < tasks.size(); i = next++) {
+      const fused::Task& t = tasks[i];
+      fused::run_task(w, value_cache, b, t, qd, od, t.col < 0 ? nullptr : colbuf.data() + t.col, s);
+    }
+  });
+  // Each scored (row, head): its splits' sums, added into its slots (rows
+  // name disjoint blocks; heads are disjoint rows of scores).
+  std::vector<const fused::Task*> firsts;
+  for (const fused::Task& t : tasks)
+    if (t.col >= 0 && t.split == 0) firsts.push_back(&t);
+  float* sp = scores.data_ptr<float>();
+  const int64_t slots = scores.stride(0);
+  at::parallel_for(0, firsts.size(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const fused::Task& t = *firsts[k];
+      float* dst = sp + t.h * slots;
+      const int64_t m = (sq[t.r] + 15) / 16 * 16;
+      // a (row, head)'s splits were laid out consecutively: split s at col + s * m
+      for (int64_t i = 0; i < sq[t.r]; ++i) {
+        float v = 0;
+        for (int64_t s = 0; s < t.splits; ++s) v += colbuf[t.col + s * m + i];
+        dst[bl[t.r * nblk + i / bs] * bs + i % bs] += v;
+      }
+    }
+  });
+}
