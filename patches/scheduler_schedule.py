@@ -7,7 +7,8 @@ HOW: after the stock schedule(), drain the plans of every
      SchedulerOutput as attribute `kv_eviction` (plain dataclasses, pickled
      with the output to mp / Ray workers). Plans of requests that were freed
      in the same step (preempted, aborted) were already dropped by the manager.
-     New requests that can never exceed the budget are listed as unscored;
+     New requests that can never exceed the budget are listed as unscored,
+     those that compact right after their prompt as evict_after_prompt;
      H2O requests that start with shared blocks, with their shared length.
      Also writes the eviction counters for /metrics (integration/metrics.py).
      Before the stock schedule(), hands each manager the scheduler's requests
@@ -25,7 +26,7 @@ from . import mark_patched
 def apply() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_kvevict.core.eviction.planner import never_compacts
+    from vllm_kvevict.core.eviction.planner import evicts_after_prompt, never_compacts
     from vllm_kvevict.core.eviction.plans import STEP_ATTR, EvictionStep
     from vllm_kvevict.integration.spec import EvictableAttentionManager
 
@@ -43,9 +44,13 @@ def apply() -> None:
                 m.drain(step)
             for new in output.scheduled_new_reqs:
                 req = self.requests.get(new.req_id)
-                if req is not None and never_compacts(managers[0].request_config(new.req_id),
-                                                      req.num_prompt_tokens, req.max_tokens):
+                if req is None:
+                    continue
+                cfg = managers[0].request_config(new.req_id)
+                if never_compacts(cfg, req.num_prompt_tokens, req.max_tokens):
                     step.unscored.append(new.req_id)
+                elif evicts_after_prompt(cfg, req.num_prompt_tokens, managers[0].block_size):
+                    step.evict_after_prompt.append(new.req_id)
             setattr(output, STEP_ATTR, step)
             for m in managers:
                 m.write_metrics()

@@ -34,8 +34,8 @@ from vllm_kvevict.core.config.env import env_choice
 
 NAME = "vllm_kvevict_cpu_scores"
 SOURCE = Path(__file__).with_name("column_sums.cpp")
-HEADERS = [Path(__file__).with_name(h)
-           for h in ("token_moves.h", "window_projection.h", "fused_attention.h")]  # included by SOURCE
+HEADERS = [Path(__file__).with_name(h)  # included by SOURCE
+           for h in ("token_moves.h", "window_projection.h", "fused_attention.h")]
 # -fopenmp: at::parallel_for is a header template that runs its tasks on one
 # thread unless the caller is compiled with OpenMP. Linked against libgomp.so.1,
 # the one torch already loaded (same soname), so the kernel shares torch's

@@ -9,7 +9,10 @@ change, and only when eviction is enabled in `additional_config`:
   2. KV write: `forward_includes_kv_cache_update = True`, so the backend writes
      K/V itself with that physical slot mapping.
   3. scores: after attention, H2O scores are accumulated beside the cache
-     (snapkv/andpro: the newest queries are kept for the next compaction).
+     (snapkv/andpro: the newest queries are kept for the next compaction);
+     in H2O steps whose every request evicts anyway, attention and the prompt
+     chunks' scores come from one pass of the plugin's kernel instead
+     (integration/fused_attention.py).
 
 With eviction disabled, the backend behaves exactly like the stock one.
 On CUDA the same wrapper is built around FLASH_ATTN (see `cuda_backend`);
@@ -38,6 +41,7 @@ from vllm_kvevict.integration.attention_common import (
     score_step,
     write_kv,
 )
+from vllm_kvevict.integration import fused_attention
 from vllm_kvevict.integration.offload_attention import host_decode
 from vllm_kvevict.integration.settings import eviction_config
 from vllm_kvevict.integration.worker import init_worker_state, worker_state
@@ -68,13 +72,18 @@ class EvictingCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         cm = physical_metadata(self.state, logical, self.block_size)
         metadata = super().build(common_prefix_len, cm, fast_build)
         scored = self.state.scored_rows(cm.num_reqs)
+        fuse = fused_attention.wanted(self, self.state, cm, scored)
         placement = self.state.place_queries(cm.num_reqs, cm.query_start_loc_cpu,
                                              cm.seq_lens[: cm.num_reqs].cpu(),
-                                             logical.seq_lens[: cm.num_reqs].cpu(), scored)
+                                             logical.seq_lens[: cm.num_reqs].cpu(), scored,
+                                             defer_chunks=not fuse)
         log_only = None
+        # Before log_only: taking the pass clears placement.score_now.
+        fused = fused_attention.plan(self, cm, placement, scored) if fuse else None
         if placement is not None:  # the layers only log: zero new slots here, once
             self.state.zero_new_slots(cm.slot_mapping, cm.num_actual_tokens)
             log_only = self.state.log_only(placement, cm.num_actual_tokens)
+        setattr(metadata, fused_attention.FUSED_ATTR, fused)
         setattr(metadata, PLACEMENT_ATTR, placement)
         setattr(metadata, LOG_ONLY_ATTR, log_only)
         setattr(metadata, SCORED_ATTR, scored)
@@ -119,8 +128,14 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
         if attn_metadata is None:
             return output
         write_kv(self, layer, key, value, kv_cache, attn_metadata)
-        out = super().forward(layer, query, key, value, kv_cache, attn_metadata,
-                              output, output_scale, output_block_scale)
+        make_layout = lambda kv: layout_for_cache(kv, layer.isa)  # noqa: E731
+        fused = getattr(attn_metadata, fused_attention.FUSED_ATTR, None)
+        if fused is not None and self.attn_type == AttentionType.DECODER:
+            out = fused_attention.attend(self, layer, query, kv_cache, attn_metadata, output,
+                                         fused, make_layout)
+        else:
+            out = super().forward(layer, query, key, value, kv_cache, attn_metadata,
+                                  output, output_scale, output_block_scale)
         state = worker_state()
         if state is None:
             return out
@@ -136,7 +151,6 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
             # the builder): no per-layer dispatch (QueryBuffers.hold_ref).
             log.hold_ref(layer.layer_name, query[: attn_metadata.num_actual_tokens], scale)
             return out
-        make_layout = lambda kv: layout_for_cache(kv, layer.isa)  # noqa: E731
         score_step(self, layer, query, kv_cache, attn_metadata, make_layout, scale)
         if state.host is not None and state.cfg.offload:
             lc = state.layer(layer.layer_name, kv_cache, make_layout)

@@ -58,9 +58,12 @@ class Recorder:
         return False
 
     def place(self, req_ids: list[str], q_lens: list[int], seq_lens: list[int],
-              logical_seq_lens: list[int], scored: list[bool] | None) -> StepPlacement | None:
+              logical_seq_lens: list[int], scored: list[bool] | None,
+              defer_chunks: bool = True) -> StepPlacement | None:
         """Once per step, from the builder: where each layer keeps this step's
-        queries. seq_lens physical, logical_seq_lens logical, after the step."""
+        queries. seq_lens physical, logical_seq_lens logical, after the step.
+        defer_chunks=False: no prompt chunk waits for the next step (the fused
+        CPU pass scores them in their forward)."""
         return None
 
     def zero_new_slots(self, slot_mapping: torch.Tensor, num_tokens: int) -> None:
@@ -105,12 +108,13 @@ class AttentionRecorder(Recorder):
     def places(self, may_defer: bool) -> bool:
         return may_defer  # CUDA scores every query in its own step
 
-    def place(self, req_ids, q_lens, seq_lens, logical_seq_lens, scored):
+    def place(self, req_ids, q_lens, seq_lens, logical_seq_lens, scored, defer_chunks=True):
         state = self.state
         if state.decode_log.full():
             state.decode_log.flush_all(state._stacks(), state._block_ids, state._private_of)
         placement = state.decode_log.place(req_ids, q_lens, seq_lens, scored)
-        placement.defer(state.chunk_log.place(req_ids, q_lens, seq_lens, scored), q_lens, scored)
+        deferred = state.chunk_log.place(req_ids, q_lens, seq_lens, scored) if defer_chunks else None
+        placement.defer(deferred, q_lens, scored)
         return placement
 
     def log_only(self, placement, num_tokens):
@@ -159,7 +163,7 @@ class QueryRecorder(Recorder):
     def places(self, may_defer: bool) -> bool:
         return True
 
-    def place(self, req_ids, q_lens, seq_lens, logical_seq_lens, scored):
+    def place(self, req_ids, q_lens, seq_lens, logical_seq_lens, scored, defer_chunks=True):
         return self.state.query_window.place(req_ids, q_lens, logical_seq_lens, scored)
 
     def log_only(self, placement, num_tokens):

@@ -84,6 +84,8 @@ class WorkerEviction:
         self.num_windowless = 0  # compactions whose policy asked for a window and found none
         self._stack_cache: list[LayerStack] | None = None
         self.unscored: set[str] = set()  # requests that never compact: no scoring
+        # requests that compact right after their prompt (EvictionStep.evict_after_prompt)
+        self.prompt_evicts: set[str] = set()
         self.arriving: set[str] = set()  # during begin_step: this step's new requests
         self._step_open = False  # a begin_step not yet matched by place_queries
         self.compaction_seconds = 0.0
@@ -137,14 +139,16 @@ class WorkerEviction:
         for log in (self.decode_log, self.query_window, self.chunk_log):
             log.drop(step.released)
             log.drop(scheduler_output.finished_req_ids)
-        self.unscored.difference_update(step.released)
-        self.unscored.difference_update(scheduler_output.finished_req_ids)
+        for gone in (step.released, scheduler_output.finished_req_ids):
+            self.unscored.difference_update(gone)
+            self.prompt_evicts.difference_update(gone)
         for req_id in (*step.released, *scheduler_output.finished_req_ids):
             self.order.pop(req_id, None)  # its blocks are gone (or refilled in order)
             self.private.drop([req_id])
             if self.host is not None:  # both tiers go together
                 self.host.free(req_id)
         self.unscored.update(step.unscored)
+        self.prompt_evicts.update(step.evict_after_prompt)
         self.recorder.begin_step(step)
         if step.plans:
             start = time.perf_counter()  # CPU: the work; CUDA: its launch (async)
@@ -188,6 +192,14 @@ class WorkerEviction:
         req_state = self.runner.requests.get(req_id) if self.runner else None
         return None if req_state is None else req_state.block_ids[0]
 
+    def all_rows_diverge(self, num_reqs: int) -> bool:
+        """Whether no row of the batch is held to stock vLLM's tokens: each
+        request has evicted already or compacts right after its prompt."""
+        if self.runner is None:
+            return False
+        return all(r in self.prompt_evicts or self.evicted.get(r, 0) > 0
+                   for r in self.runner.input_batch.req_ids[:num_reqs])
+
     def scored_rows(self, num_reqs: int) -> torch.Tensor | None:
         """(num_reqs,) bool: rows whose attention must be scored; None = all."""
         if not self.unscored or self.runner is None:
@@ -197,14 +209,15 @@ class WorkerEviction:
 
     def place_queries(self, num_reqs: int, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, logical_seq_lens: torch.Tensor,
-                      scored: torch.Tensor | None, may_defer: bool = True
-                      ) -> StepPlacement | None:
+                      scored: torch.Tensor | None, may_defer: bool = True,
+                      defer_chunks: bool = True) -> StepPlacement | None:
         """Once per step, from the metadata builder: where this step's queries
         are kept (the recorder's `place`: e.g. ring cells of each request's
         newest tokens, or log slots of the decode queries and the short prefill
         chunks the chunk log takes). None when the recorder places nothing (its
         layers then record everything now), for a second builder in the same
-        step or a dummy run. may_defer: queries may wait in logs (CPU)."""
+        step or a dummy run. may_defer: queries may wait in logs (CPU);
+        defer_chunks=False: prompt chunks do not (Recorder.place)."""
         if not self._step_open or self.runner is None or not self.recorder.places(may_defer):
             return None
         self._step_open = False
@@ -212,7 +225,7 @@ class WorkerEviction:
         return self.recorder.place(
             self.runner.input_batch.req_ids[:num_reqs], [b - a for a, b in zip(qsl, qsl[1:])],
             seq_lens[:num_reqs].tolist(), logical_seq_lens[:num_reqs].tolist(),
-            None if scored is None else scored.tolist())
+            None if scored is None else scored.tolist(), defer_chunks=defer_chunks)
 
     def log_only(self, placement: StepPlacement, num_tokens: int) -> QueryBuffers | None:
         """Once per step, from the CPU builder: the buffers every layer hands its

@@ -68,6 +68,15 @@ def never_compacts(cfg: EvictionConfig, prompt_len: int, max_tokens: int) -> boo
             and prompt_len + max_tokens <= cfg.budget)
 
 
+def evicts_after_prompt(cfg: EvictionConfig, prompt_len: int, block_size: int) -> bool:
+    """True when a request compacts as soon as its prompt is in (its first
+    decode step, compaction_target's own test): its tokens differ from stock
+    vLLM's from the second on, so no identity promise covers it and the CPU
+    may run its prompt through the fused attention pass (integration/fused_attention.py)."""
+    return (cfg.enabled and not cfg.offload
+            and compaction_target(cfg, prompt_len, prompt_len, False, block_size) is not None)
+
+
 def max_blocks_per_request(budget: int, block_size: int) -> int:
     """The most blocks a decoding request holds: ceil(budget / bs), the blocks
     of its block cap."""

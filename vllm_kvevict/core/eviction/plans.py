@@ -50,6 +50,9 @@ class EvictionStep:
     # Requests new this step that can never exceed the budget: nobody will read
     # their scores, so workers do not compute them (planner.never_compacts).
     unscored: list[str] = field(default_factory=list)
+    # Requests new this step that compact right after their prompt
+    # (planner.evicts_after_prompt): the CPU may fuse their prompt's attention.
+    evict_after_prompt: list[str] = field(default_factory=list)
     # H2O: req_id -> n, for requests that start this step with n prompt tokens
     # in blocks others may read (prefix hit, prompt modules): workers score
     # those tokens in private rows (core/scoring/private_scores.py).

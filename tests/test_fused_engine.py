@@ -1,0 +1,101 @@
+"""The fused CPU attention pass in the real engine (integration/fused_attention.py):
+SmolLM2-135M through vLLM with H2O, prompts over their budget.
+
+Each request's prompt (~600 tokens, 256-token chunks) exceeds its 128-token
+budget, so it compacts right after the prompt and no identity promise covers
+it: its prompt chunks take the pass. The same requests run with the pass
+switched off (VLLM_KVEVICT_CPU_FUSED=off: vLLM's attention, then the scoring
+kernel) on the same engine, prefix cache reset between the runs.
+"""
+import pytest
+from conftest import close, engine_settings, make_llm
+from kept_positions import KeptRecorder
+
+from vllm_kvevict import cpu_kernel, passages
+
+
+@pytest.fixture(scope="module")
+def runs(model_path, monkeypatch_module):
+    mod = cpu_kernel.module()
+    if mod is None or not mod.supports("avx512bf16"):
+        pytest.skip("the fused pass needs the built kernel on a CPU with AVX-512 BF16")
+    from vllm import SamplingParams
+    from vllm import _custom_ops as ops
+
+    from vllm_kvevict.integration.worker import worker_state
+
+    llm = make_llm(model_path, dtype="bfloat16", **engine_settings("h2o"))
+    try:
+        tok = llm.get_tokenizer()
+        prompts = passages.passages(tok, 3, [f"austen_{n}" for n in passages.AUSTEN[:2]], 600)
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                extra_args={"kv_budget": 128})
+        calls = {"fused": 0, "scored_rows": 0, "vllm_prompt_rows": 0}
+        real_pass, real_attention = cpu_kernel.attend_add_column_sums, ops.cpu_attention_with_kv_cache
+
+        def counting_pass(*args):
+            calls["fused"] += 1
+            calls["scored_rows"] += int(args[8].sum())
+            return real_pass(*args)
+
+        def counting_attention(**kw):
+            qsl = kw["query_start_loc"]
+            calls["vllm_prompt_rows"] += int(((qsl[1:] - qsl[:-1]) > 1).sum())
+            return real_attention(**kw)
+
+        monkeypatch_module.setattr(cpu_kernel, "attend_add_column_sums", counting_pass)
+        monkeypatch_module.setattr(ops, "cpu_attention_with_kv_cache", counting_attention)
+        state = worker_state()
+        out = {}
+        for mode in ("off", "on"):
+            monkeypatch_module.setenv("VLLM_KVEVICT_CPU_FUSED", mode)
+            llm.reset_prefix_cache()
+            for k in calls:
+                calls[k] = 0
+            rec = KeptRecorder(state)
+            res = llm.generate(prompts, params, use_tqdm=False)
+            rec.remove()
+            first = {}  # each request's first compaction, by the id the user sees
+            for plan, positions in rec.compactions:  # (the engine's ids add a suffix)
+                first.setdefault(plan.req_id.rsplit("-", 1)[0], positions)
+            out[mode] = dict(calls, tokens=[list(o.outputs[0].token_ids) for o in res],
+                             prompt_lens=[len(o.prompt_token_ids) for o in res],
+                             first=[first[o.request_id] for o in res if o.request_id in first],
+                             compactions=len(rec.compactions), layers=len(state.layers))
+        yield out
+    finally:
+        close(llm)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_prompts_over_budget_take_the_pass_and_vllm_attention_runs_no_prompt(runs):
+    """With the pass on, every prompt chunk went through it (vLLM's attention
+    saw no row of more than one query), each layer once per prefill step, and
+    it added the chunks' scores; off, it never ran."""
+    on, off = runs["on"], runs["off"]
+    assert all(n > 256 + 128 for n in on["prompt_lens"])  # over budget, more than one chunk
+    assert on["fused"] > 0 and on["fused"] % on["layers"] == 0
+    assert on["scored_rows"] >= on["layers"] * 3  # >= 3 chunks of ~600 tokens at 256 a step
+    assert on["vllm_prompt_rows"] == 0
+    assert off["fused"] == 0 and off["vllm_prompt_rows"] > 0
+
+
+def test_first_tokens_equal_and_kept_sets_agree_with_the_unfused_path(runs):
+    """The prompt's attention is the same computation in another order: first
+    tokens (sampled from the fused prompt, before any eviction) equal the
+    unfused run's, and the first compaction of each request keeps nearly the
+    same tokens (scores equal to float32 rounding; a near-tie may swap)."""
+    on, off = runs["on"], runs["off"]
+    assert [t[0] for t in on["tokens"]] == [t[0] for t in off["tokens"]]
+    assert on["compactions"] == off["compactions"] > 0
+    assert len(on["first"]) == len(off["first"]) == len(on["tokens"])
+    for a, b in zip(on["first"], off["first"]):
+        assert a.shape == b.shape
+        same = sum(len(set(x.tolist()) & set(y.tolist()))
+                   for x, y in zip(a.flatten(0, 1), b.flatten(0, 1)))
+        assert same >= 0.97 * a.numel(), same / a.numel()

@@ -1,0 +1,118 @@
+"""CPU steps in which H2O scores a prompt chunk and no request is held to stock
+vLLM's tokens: attention and the chunk's scores in one pass
+(`cpu_kernel.attend_add_column_sums`, cpu_kernel/fused_attention.h) instead
+of vLLM's attention followed by the scoring kernel.
+
+H2O's contract is the attention each prompt query pays each key, so at long
+prompts its scoring is attention's logits once more (served, 8 x 3,000-token
+prompts: vLLM's attention 50% of the worker's time, the scoring kernel 11.5%).
+The pass computes the logits once, float32-accurate as the scoring kernel
+does, and takes the exps for both the column sums and P V (prefill, two
+threads: 0.6x vLLM's attention alone; benchmarks/cpu_kernel.py).
+
+Why only steps whose every request diverges from stock anyway: the pass's
+output is as accurate as vLLM's (tests/test_fused_attention.py) but not bit
+for bit the same, and the plugin promises stock's tokens wherever nothing is
+evicted. A request that compacts right after its prompt (a prompt over its
+budget, or any fractional budget under 1 that its prompt's blocks exceed) or
+has evicted already differs from stock from its second token on; its first
+token comes from the fused prompt and could differ where a bf16 rounding
+tips an argmax. Requests within their budget never take the pass.
+
+Decided once per step by the metadata builder (`wanted`, then `plan`), for
+all its layers:
+  - the recorder is H2O's and no request holds private (shared-block) scores;
+  - vLLM runs its vec / vec16 CPU attention on a bf16 model and cache, with
+    no sliding window, ALiBi, soft-cap or sinks (the backend refuses those);
+  - some row is a prompt chunk scored in this step: decode-only steps keep
+    vLLM's kernel, which reads a decode's keys once where the pass packs them
+    first (1.8-2x vLLM's time per decode row);
+  - VLLM_KVEVICT_CPU_FUSED is `on` (the default; `off` keeps vLLM's
+    attention everywhere, for comparisons).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from vllm_kvevict import cpu_kernel
+from vllm_kvevict.core.config.env import env_choice
+from vllm_kvevict.integration.worker import worker_state
+
+FUSED_ATTR = "kvevict_fused"  # a FusedStep on the step's attention metadata, or None
+
+
+class FusedStep(NamedTuple):
+    """The step's rows as the pass reads them (host tensors, made once per step)."""
+    starts: torch.Tensor  # (R + 1,) int64 query_start_loc
+    seq: torch.Tensor  # (R,) int64 physical lengths
+    blocks: torch.Tensor  # (R, nblk) int64 block table, nblk covering every row
+    score_rows: torch.Tensor  # (R,) bool: prompt chunks whose scores the pass adds
+
+
+def enabled() -> bool:
+    """VLLM_KVEVICT_CPU_FUSED: on (default) or off."""
+    return env_choice("VLLM_KVEVICT_CPU_FUSED", ("on", "off")) == "on"
+
+
+def reads(builder) -> bool:
+    """Whether the pass reads the caches of this builder's layers: vLLM's
+    vec / vec16 layouts of a bf16 model and cache, head sizes the kernel
+    takes, a CPU with AVX-512 BF16, and the pass switched on."""
+    mod = cpu_kernel.module()
+    return (builder.isa in ("vec", "vec16") and builder.dtype == torch.bfloat16
+            and builder.kv_cache_dtype == "auto" and builder.head_dim % 16 == 0
+            and builder.head_dim <= 128 and builder.block_size % 16 == 0
+            and mod is not None and mod.supports("avx512bf16") and enabled())
+
+
+def wanted(builder, state, cm, scored: torch.Tensor | None) -> bool:
+    """Before the step's queries are placed: whether it takes the pass. Then
+    no prompt chunk waits in the chunk log (`place_queries(defer_chunks=False)`):
+    the pass scores chunks in their forward at no cost of their own.
+    cm: the physical CommonAttentionMetadata of the step."""
+    if not state.recorder.fuses_decode or state.private.tokens or not reads(builder):
+        return False
+    n = cm.num_reqs
+    starts = cm.query_start_loc_cpu[: n + 1]
+    chunks = (starts[1:] - starts[:-1]) > 1
+    if scored is not None:
+        chunks &= scored
+    return bool(chunks.any()) and state.all_rows_diverge(n)
+
+
+def plan(builder, cm, placement, scored: torch.Tensor | None) -> FusedStep | None:
+    """After placing (without deferred chunks) a step that `wanted` the pass:
+    its FusedStep, or None where the recorder placed nothing (it would then
+    score every row itself). The chunks the pass scores leave the recorder's
+    work: `placement.score_now` is cleared, so the layers only log the step's
+    decode queries (the builder zeroes the new slots, as for every placement)."""
+    if placement is None:
+        return None
+    n = cm.num_reqs
+    starts = cm.query_start_loc_cpu[: n + 1].long()
+    chunks = (starts[1:] - starts[:-1]) > 1
+    if scored is not None:
+        chunks &= scored
+    seq = cm.seq_lens[:n].long().cpu()
+    nblk = -(-int(seq.max()) // builder.block_size)
+    blocks = cm.block_table_tensor[:n, :nblk].long().cpu()
+    placement.score_now = False
+    return FusedStep(starts, seq, blocks, chunks)
+
+
+def attend(impl, layer, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata,
+           output: torch.Tensor, step: FusedStep, make_layout) -> torch.Tensor:
+    """Run the pass for one layer into `output` (num_tokens, H_q * D), its
+    prompt chunks' scores into the layer's score buffer. The kernel refuses a
+    cache it cannot read (`reads` keeps those from being planned)."""
+    lc = worker_state().layer(layer.layer_name, kv_cache, make_layout)
+    n = attn_metadata.num_actual_tokens
+    hq, d = query.shape[1], query.shape[2]
+    key_cache, value_cache = lc.layout.split(kv_cache)
+    cpu_kernel.attend_add_column_sums(output[:n].view(n, hq, d), lc.layout, key_cache, value_cache,
+                                      query[:n], step.starts, step.seq, step.blocks,
+                                      step.score_rows, impl.scale, lc.scores)
+    return output
