@@ -16,6 +16,13 @@ the best scoring path's time over it: what scoring costs at the price of the
 attention it sits beside (issue 35's title). The flush shapes' 32 queries a
 row are 32 decode steps in the engine; here they go to vLLM's kernel as one
 32-query non-causal chunk, the same logits.
+
+For the prefill shapes, the fused pass (`attend_add_column_sums`: attention
+and H2O's column sums in one pass, what the engine runs for prompt chunks of
+requests that evict anyway; integration/fused_attention.py) against what it
+replaces, vLLM's attention plus the best scoring path. It reads vLLM's `vec`
+layout on AVX-512 BF16 CPUs only ("-" elsewhere, and for the flush shapes:
+decode rows keep vLLM's kernel).
 """
 from __future__ import annotations
 
@@ -97,7 +104,8 @@ def main(argv=None) -> int:
     kc, _ = layout.split(kv)
     vc = layout.split(kv)[1]
     cols = ["shape", "torch ms", *(f"{i} ms (x torch)" for i in paths), "best GMAC/s",
-            "vLLM attention ms", "best scoring / vLLM attention"]
+            "vLLM attention ms", "best scoring / vLLM attention", "fused pass ms",
+            "fused / (attention + scoring)"]
     lines = ["| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
     for name, r, nq, n, causal in SHAPES:
         nblk = -(-n // BS)
@@ -114,8 +122,17 @@ def main(argv=None) -> int:
             best = min(best, t)
             cells.append(f"{t:.2f} ({t_torch / t:.1f}x)")
         t_attn = median_ms(vllm_attention(ops, layout_isa, q, kc, vc, rows, n, causal)[0], args.reps)
+        fused = "- | -"
+        if causal and cpu_kernel.fuses_attention(layout, torch.bfloat16):
+            flat, out = q.reshape(r * nq, H * G, D), torch.empty(r * nq, H * G, D, dtype=torch.bfloat16)
+            acc = torch.zeros(H, nb * BS)
+            starts, seq = torch.arange(0, (r + 1) * nq, nq), torch.full((r,), n)
+            t_f = median_ms(lambda: cpu_kernel.attend_add_column_sums(
+                out, layout, kc, vc, flat, starts, seq, rows, torch.ones(r, dtype=torch.bool),
+                0.125, acc), args.reps)
+            fused = f"{t_f:.2f} | {t_f / (t_attn + best):.2f}"
         lines.append(f"| {name} | {t_torch:.2f} | " + " | ".join(cells) +
-                     f" | {macs / best / 1e6:.0f} | {t_attn:.2f} | {best / t_attn:.2f} |")
+                     f" | {macs / best / 1e6:.0f} | {t_attn:.2f} | {best / t_attn:.2f} | {fused} |")
         print(lines[-1], file=sys.stderr, flush=True)
     head = [f"command: `{' '.join([os.path.relpath(sys.executable)] + sys.argv)}`  ",
             f"CPU: {platform.processor() or platform.machine()}, flags `{cpu_kernel.cpu_flags()}`"

@@ -261,7 +261,7 @@ def _h2o_kept_sets(llm, defer: bool):
     state = worker_mod.worker_state()
     recorder = KeptRecorder(state)
     if not defer:
-        state.place_queries = lambda *args: None  # score every step at once
+        state.place_queries = lambda *args, **kw: None  # score every step at once
     try:
         outs = [list(o.outputs[0].token_ids) for o in
                 llm.generate(PROMPTS, greedy(160, 64, ignore_eos=True), use_tqdm=False)]

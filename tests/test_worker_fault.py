@@ -314,7 +314,8 @@ def check_fault(rec: dict, plugin: bool, tp: int = 1) -> None:
     if rec["server_exit"] is None:  # a str, so that pytest prints all of it
         pytest.fail(f"API server still running {SERVER_EXIT_WITHIN:.0f} s after the kill: "
                     f"{json.dumps(info, indent=1, default=str)}\nlog tail:\n{rec['log'][-2500:]}")
-    assert rec["server_exit"] == 0, info  # exited by itself, no hang
+    # exited by itself, no hang; else the server's last words say why
+    assert rec["server_exit"] == 0, f"{info}\nlog tail:\n{rec['log'][-2500:]}"
     assert not rec["health_after"], info
     assert not rec["left"], info  # no orphan
     assert rec["log_engine_dead"], info  # vLLM's own error path, in the API server's log
@@ -330,7 +331,8 @@ def test_killed_process_ends_streams_and_server(runs, flavour, target):
 
 def _fails_alike(plugin: dict, stock: dict) -> None:
     for key in ("streams", "server_exit", "health_after", "left", "tree"):
-        assert plugin[key] == stock[key], (key, brief(plugin), brief(stock))
+        assert plugin[key] == stock[key], (key, brief(plugin), brief(stock),
+                                           plugin["log"][-2500:])
     # The new request races the server's exit (500 first, refused after).
     assert {plugin["new_request"][0], stock["new_request"][0]} <= {500, "ConnectionError"}
 
