@@ -14,6 +14,7 @@ rounds and each round's ratio.
     python benchmarks/serve_ratio.py                       # stock, h2o, snapkv, andpro, streaming at 0.9
     python benchmarks/serve_ratio.py --rounds 3 --workloads 16x512 8x3000
     python benchmarks/serve_ratio.py --policies h2o --budget 1024 --eager --plot serve.png
+    python benchmarks/serve_ratio.py --policies h2o --unfused   # + h2o with the fused CPU pass off
 
 `--common` (default `--gpu-memory-utilization 0.85`) goes to every server:
 vLLM's own startup check wants 0.92 of RAM free when the worker starts, which a
@@ -32,10 +33,12 @@ import time
 from common import SERVE_FLAGS, git_head, make_prompts, parse_workload, run_workload, typed_server
 
 
-def run_server(model: str, flags: list[str], workloads: dict, warmup: list[int],
+def run_server(model: str, flags: list[str], env: dict, workloads: dict, warmup: list[int],
                max_tokens: int) -> dict:
-    """One fresh server: start, warm up, each workload in turn, stop."""
+    """One fresh server (`env` added to its environment): start, warm up, each
+    workload in turn, stop."""
     srv = typed_server(model, flags, stock="--kv-eviction" not in flags)
+    srv.env.update(env)
     t0 = time.perf_counter()
     with srv:
         row = {"startup_s": round(time.perf_counter() - t0)}
@@ -92,6 +95,9 @@ def main() -> int:
     ap.add_argument("--common", default=SERVE_FLAGS,
                     help="flags every server gets (stock too)")
     ap.add_argument("--eager", action="store_true", help="add --enforce-eager everywhere")
+    ap.add_argument("--unfused", action="store_true",
+                    help="also run h2o with VLLM_KVEVICT_CPU_FUSED=off (vLLM's attention + "
+                         "the scoring kernel for prompts that evict anyway)")
     ap.add_argument("--json", help="write every run here")
     ap.add_argument("--plot", help="write the ratios as a bar chart here (PNG)")
     args = ap.parse_args()
@@ -100,9 +106,12 @@ def main() -> int:
 
         args.model = ensure_smollm2()
     common = shlex.split(args.common) + (["--enforce-eager"] if args.eager else [])
-    configs = {"stock": common}
+    configs = {"stock": (common, {})}  # name -> (flags, environment)
     for p in args.policies:
-        configs[p] = [*common, "--kv-eviction", p, "--kv-budget", args.budget]
+        configs[p] = ([*common, "--kv-eviction", p, "--kv-budget", args.budget], {})
+    if args.unfused:
+        configs["h2o-unfused"] = ([*common, "--kv-eviction", "h2o", "--kv-budget", args.budget],
+                                  {"VLLM_KVEVICT_CPU_FUSED": "off"})
     workloads, offset = {}, 0
     for w in args.workloads:
         n, length = parse_workload(w)
@@ -113,13 +122,15 @@ def main() -> int:
     for r in range(args.rounds):
         order = list(configs) if r % 2 == 0 else list(configs)[::-1]
         for name in order:
-            row = {"round": r, "config": name, **run_server(args.model, configs[name], workloads,
+            row = {"round": r, "config": name, **run_server(args.model, *configs[name], workloads,
                                                            warmup, args.max_tokens)}
             print(json.dumps(row), file=sys.stderr, flush=True)
             runs.append(row)
     print(f"# vllm serve, memory ample: policies at --kv-budget {args.budget} vs stock, "
           f"{args.rounds} rounds (commit {git_head()})\n")
     print(f"flags for every server: `{' '.join(common)}`; {args.max_tokens} tokens out, greedy\n")
+    if args.unfused:
+        print("h2o-unfused: h2o with VLLM_KVEVICT_CPU_FUSED=off\n")
     head = ["config"] + [f"{w} tok/s (median)" for w in workloads] + \
            [f"{w} vs stock (rounds)" for w in workloads] + ["tokens evicted (mean)"]
     print("| " + " | ".join(head) + " |")
