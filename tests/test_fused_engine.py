@@ -5,7 +5,8 @@ Each request's prompt (~600 tokens, 256-token chunks) exceeds its 128-token
 budget, so it compacts right after the prompt and no identity promise covers
 it: its prompt chunks take the pass. The same requests run with the pass
 switched off (VLLM_KVEVICT_CPU_FUSED=off: vLLM's attention, then the scoring
-kernel) on the same engine, prefix cache reset between the runs.
+kernel) on the same engine, prefix cache reset between the runs; and once
+more with 200-token prompts at budget 208, which must not take the pass.
 """
 import pytest
 from conftest import close, engine_settings, make_llm
@@ -47,13 +48,18 @@ def runs(model_path, monkeypatch_module):
         monkeypatch_module.setattr(ops, "cpu_attention_with_kv_cache", counting_attention)
         state = worker_state()
         out = {}
-        for mode in ("off", "on"):
-            monkeypatch_module.setenv("VLLM_KVEVICT_CPU_FUSED", mode)
+        # within: 200-token prompts (the engine caps budgets at 256), budget 208
+        short = [{"prompt_token_ids": tok(p)["input_ids"][:200]} for p in prompts]
+        within = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                extra_args={"kv_budget": 208})
+        for mode in ("off", "on", "within"):
+            monkeypatch_module.setenv("VLLM_KVEVICT_CPU_FUSED", "off" if mode == "off" else "on")
             llm.reset_prefix_cache()
             for k in calls:
                 calls[k] = 0
             rec = KeptRecorder(state)
-            res = llm.generate(prompts, params, use_tqdm=False)
+            res = (llm.generate(short, within, use_tqdm=False) if mode == "within"
+                   else llm.generate(prompts, params, use_tqdm=False))
             rec.remove()
             first = {}  # each request's first compaction, by the id the user sees
             for plan, positions in rec.compactions:  # (the engine's ids add a suffix)
@@ -83,6 +89,13 @@ def test_prompts_over_budget_take_the_pass_and_vllm_attention_runs_no_prompt(run
     assert on["scored_rows"] >= on["layers"] * 3  # >= 3 chunks of ~600 tokens at 256 a step
     assert on["vllm_prompt_rows"] == 0
     assert off["fused"] == 0 and off["vllm_prompt_rows"] > 0
+
+
+def test_requests_within_their_budget_keep_vllm_attention(runs):
+    """Budget above the prompt (scored, since it may compact in decode): held
+    to stock's tokens until it evicts, so its prompt keeps vLLM's attention."""
+    within = runs["within"]
+    assert within["fused"] == 0 and within["vllm_prompt_rows"] > 0
 
 
 def test_first_tokens_equal_and_kept_sets_agree_with_the_unfused_path(runs):

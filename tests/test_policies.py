@@ -126,6 +126,25 @@ def test_never_compacts_only_when_the_whole_request_fits_a_token_budget():
     assert not never_compacts(EvictionConfig(), 10, 10)  # eviction off
 
 
+def test_evicts_after_prompt_exactly_when_the_first_decode_step_compacts():
+    """The requests the fused CPU pass may serve (their tokens leave stock's at
+    the second): the prompt alone overfills the budget's blocks. A prompt
+    within them, one that fits exactly, offload and eviction off: no."""
+    from vllm_kvevict.core.config.settings import EvictionConfig
+    from vllm_kvevict.core.eviction.planner import compaction_target, evicts_after_prompt
+
+    h2o = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 128})
+    assert evicts_after_prompt(h2o, 600, 32) and evicts_after_prompt(h2o, 128, 32)
+    assert not evicts_after_prompt(h2o, 127, 32)  # the first decode token still fits
+    assert compaction_target(h2o, 128, 128, False, 32) is not None  # the same test, by hand
+    frac = EvictionConfig.from_dict({"kv_eviction": "h2o", "kv_budget": 0.9})
+    assert evicts_after_prompt(frac, 512, 32) and evicts_after_prompt(frac, 3000, 128)
+    assert not evicts_after_prompt(frac, 40, 32)  # two blocks at least: 64 tokens
+    off = EvictionConfig.from_dict({"kv_eviction": "infinigen", "kv_budget": 128})
+    assert off.offload and not evicts_after_prompt(off, 600, 32)
+    assert not evicts_after_prompt(EvictionConfig(), 600, 32)
+
+
 def test_each_policy_declares_what_it_needs():
     """The plugin reads these declarations, not policy names (core/policies/)."""
     from vllm_kvevict.core.config.flags import ALIASES

@@ -73,7 +73,8 @@ def wanted(builder, state, cm, scored: torch.Tensor | None) -> bool:
     no prompt chunk waits in the chunk log (`place_queries(defer_chunks=False)`):
     the pass scores chunks in their forward at no cost of their own.
     cm: the physical CommonAttentionMetadata of the step."""
-    if not state.recorder.fuses_decode or state.private.tokens or not reads(builder):
+    if (not state.recorder.fuses_prompt or state.private.tokens or state.cfg.offload
+            or not reads(builder)):
         return False
     n = cm.num_reqs
     starts = cm.query_start_loc_cpu[: n + 1]

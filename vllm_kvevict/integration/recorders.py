@@ -40,6 +40,9 @@ class Recorder:
 
     scoring = False  # scores with the kernels every step (the worker logs their CPU path)
     fuses_decode = False  # an all-decode step may run attention + recording in one kernel
+    # a CPU step's prompt chunks may take attention + recording from one pass
+    # (integration/fused_attention.py)
+    fuses_prompt = False
 
     def __init__(self, state: "WorkerEviction") -> None:
         self.state = state
@@ -91,6 +94,7 @@ class AttentionRecorder(Recorder):
 
     scoring = True
     fuses_decode = True
+    fuses_prompt = True
 
     def score_slots(self, slots: int) -> int:
         return slots
