@@ -30,11 +30,13 @@ ROWS = [(300, 700), (257, 257), (1, 500), (1, 33), (16, 16)]
 SCORED = [True, False, False, True, True]
 
 
-def _batch(bs, d, h, g, gen, isa="vec"):
+def _batch(bs, d, h, g, gen, isa="vec", unwritten=float("nan")):
+    """A step's batch (ROWS) over a paged cache whose slots past each row's
+    length hold `unwritten` (NaN: the pass must not read them)."""
     layout = KVLayout.discover(ops.cpu_attn_reshape_and_cache, isa, torch.bfloat16, bs, d, h)
     need = [-(-s // bs) for _, s in ROWS]
     nb = sum(need) + 7
-    kv = torch.randn(nb, h, bs, 2 * d, generator=gen).bfloat16()
+    kv = torch.full((nb, h, bs, 2 * d), unwritten, dtype=torch.bfloat16)
     kc, vc = layout.split(kv)
     perm = torch.randperm(nb, generator=gen)
     nblk = max(need)
@@ -43,6 +45,11 @@ def _batch(bs, d, h, g, gen, isa="vec"):
     for i, k in enumerate(need):
         blocks[i, :k] = perm[at:at + k]
         at += k
+        s = ROWS[i][1]  # only a row's first s slots are written: the pass must not read past them
+        slots = (blocks[i, torch.arange(s) // bs] * bs + torch.arange(s) % bs).expand(h, -1)
+        layout.write_tokens(kc, vc, slots // bs, slots % bs,
+                            torch.randn(h, s, d, generator=gen).bfloat16(),
+                            torch.randn(h, s, d, generator=gen).bfloat16())
     starts = torch.tensor([0] + [n for n, _ in ROWS]).cumsum(0)
     seq = torch.tensor([s for _, s in ROWS])
     q = (torch.randn(int(starts[-1]), h * g, d, generator=gen) * 2).bfloat16()
@@ -114,7 +121,8 @@ def test_fused_pass_agrees_with_vllm_attention():
     _needs_pass()
     bs, d, h, g = 32, 64, 3, 3
     gen = torch.Generator().manual_seed(7)
-    layout, kc, vc, blocks, starts, seq, q = _batch(bs, d, h, g, gen)
+    # vLLM's kernel reads a block's unwritten slots (0 x NaN is NaN there): zeros
+    layout, kc, vc, blocks, starts, seq, q = _batch(bs, d, h, g, gen, unwritten=0.0)
     scale = d ** -0.5
     ours = torch.empty_like(q)
     cpu_kernel.attend_add_column_sums(ours, layout, kc, vc, q, starts, seq, blocks,
