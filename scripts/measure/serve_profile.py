@@ -5,8 +5,9 @@ cache, compiled mode, `--gpu-memory-utilization 0.85`, then FLAGS), sends one
 untimed warm-up request, then samples the worker process (`VLLM::Worker`, where
 the model and the plugin's attention run) with `py-spy record --nonblocking`
 while N concurrent requests of P prompt tokens run. Prints the samples in
-vLLM's attention kernel, in the plugin's CPU scoring kernel (`add_column_sums`)
-and under any other plugin frame, as shares of the worker's samples.
+vLLM's attention kernel, in the plugin's CPU scoring kernel (`add_column_sums`),
+in its fused attention + scores pass (`attend_add_column_sums`) and under any
+other plugin frame, as shares of the worker's samples.
 
     python scripts/measure/serve_profile.py --workload 8x3000 -- --kv-eviction h2o --kv-budget 0.9
     python scripts/measure/serve_profile.py --workload 8x3000            # stock
@@ -45,6 +46,8 @@ def shares(raw: Path) -> tuple[int, Counter]:
             parts["vLLM attention (cpu_attention_with_kv_cache)"] += n
         elif ours and ours[-1] == "add_column_sums":
             parts["plugin: scoring kernel (add_column_sums)"] += n
+        elif ours and ours[-1] == "attend_add_column_sums":
+            parts["plugin: fused attention + scores pass (attend_add_column_sums)"] += n
         elif ours:
             parts[f"plugin: {ours[0]}"] += n
     return total, parts
