@@ -230,14 +230,20 @@ def window_projection_paged(layout, key_cache: torch.Tensor, value_cache: torch.
                                             path_isa, bool(split))
 
 
-def fuses_attention(layout, dtype: torch.dtype) -> bool:
-    """Whether `attend_add_column_sums` reads this cache: bf16, head size a
-    multiple of 16 up to 128, values as vLLM's vec layouts keep them (a
-    token's dims contiguous), on a CPU with AVX-512 BF16."""
+def fused_pass_runs(dtype: torch.dtype, head_size: int, block_size: int) -> bool:
+    """Whether `attend_add_column_sums` runs here for these shapes: the kernel
+    built, a CPU with AVX-512 BF16, a bf16 cache, head size a multiple of 16
+    up to 128, block size a multiple of 16 (the layout: `fuses_attention`)."""
     mod = module()
-    d, bs = layout.head_size, layout.block_size
     return (mod is not None and mod.supports("avx512bf16") and dtype == torch.bfloat16
-            and d % 16 == 0 and d <= 128 and bs % 16 == 0 and layout.k_tiles is not None
+            and head_size % 16 == 0 and head_size <= 128 and block_size % 16 == 0)
+
+
+def fuses_attention(layout, dtype: torch.dtype) -> bool:
+    """Whether `attend_add_column_sums` reads this cache: `fused_pass_runs`,
+    and values as vLLM's vec layouts keep them (a token's dims contiguous)."""
+    d, bs = layout.head_size, layout.block_size
+    return (fused_pass_runs(dtype, d, bs) and layout.k_tiles is not None
             and layout.v_tiles is not None and tuple(layout.v_tiles[:3]) == (bs, d, 0)
             and layout.v_tiles[4] == d and layout.v_tiles[6] == 1)
 

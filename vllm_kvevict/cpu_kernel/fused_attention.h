@@ -118,13 +118,14 @@ void run_task(const Work& w, const at::Tensor& vc, const Batch& b, const Task& t
   task_rows(b, t, s.tok, s.head, s.vis);
   if (s.tok.empty()) return;
   const int64_t d = b.d, hp = d / 2;
-  const int64_t hi = (*std::max_element(s.vis.begin(), s.vis.end()) + 15) / 16 * 16;
+  const int64_t top = *std::max_element(s.vis.begin(), s.vis.end());  // keys the task's rows see
+  const int64_t hi = (top + 15) / 16 * 16;
   s.keys.resize(hi * d);
   s.values.resize(hi * d);
   s.logits.resize(ROWS * hi);
   s.qp.assign(ROWS * hp, 0);
   pack_keys_bf16(w, t.r, t.h, hi, s.keys.data());
-  widen_values(vc, b, t.r, t.h, *std::max_element(s.vis.begin(), s.vis.end()), s.values.data());
+  widen_values(vc, b, t.r, t.h, top, s.values.data());
   float inv[ROWS];
   uint16_t* dst[ROWS];
   for (size_t b0 = 0; b0 < s.tok.size(); b0 += ROWS) {

@@ -61,11 +61,18 @@ def reads(builder) -> bool:
     """Whether the pass reads the caches of this builder's layers: vLLM's
     vec / vec16 layouts of a bf16 model and cache, head sizes the kernel
     takes, a CPU with AVX-512 BF16, and the pass switched on."""
-    mod = cpu_kernel.module()
-    return (builder.isa in ("vec", "vec16") and builder.dtype == torch.bfloat16
-            and builder.kv_cache_dtype == "auto" and builder.head_dim % 16 == 0
-            and builder.head_dim <= 128 and builder.block_size % 16 == 0
-            and mod is not None and mod.supports("avx512bf16") and enabled())
+    return (builder.isa in ("vec", "vec16") and builder.kv_cache_dtype == "auto"
+            and cpu_kernel.fused_pass_runs(builder.dtype, builder.head_dim, builder.block_size)
+            and enabled())
+
+
+def _prompt_chunks(cm, scored: torch.Tensor | None) -> torch.Tensor:
+    """(num_reqs,) bool: the step's prompt chunks (more than one query) that
+    H2O scores (`scored`, None: every row)."""
+    n = cm.num_reqs
+    starts = cm.query_start_loc_cpu[: n + 1]
+    chunks = (starts[1:] - starts[:-1]) > 1
+    return chunks if scored is None else chunks & scored
 
 
 def wanted(builder, state, cm, scored: torch.Tensor | None) -> bool:
@@ -76,12 +83,7 @@ def wanted(builder, state, cm, scored: torch.Tensor | None) -> bool:
     if (not state.recorder.fuses_prompt or state.private.tokens or state.cfg.offload
             or not reads(builder)):
         return False
-    n = cm.num_reqs
-    starts = cm.query_start_loc_cpu[: n + 1]
-    chunks = (starts[1:] - starts[:-1]) > 1
-    if scored is not None:
-        chunks &= scored
-    return bool(chunks.any()) and state.all_rows_diverge(n)
+    return bool(_prompt_chunks(cm, scored).any()) and state.all_rows_diverge(cm.num_reqs)
 
 
 def plan(builder, cm, placement, scored: torch.Tensor | None) -> FusedStep | None:
@@ -93,15 +95,12 @@ def plan(builder, cm, placement, scored: torch.Tensor | None) -> FusedStep | Non
     if placement is None:
         return None
     n = cm.num_reqs
-    starts = cm.query_start_loc_cpu[: n + 1].long()
-    chunks = (starts[1:] - starts[:-1]) > 1
-    if scored is not None:
-        chunks &= scored
     seq = cm.seq_lens[:n].long().cpu()
     nblk = -(-int(seq.max()) // builder.block_size)
     blocks = cm.block_table_tensor[:n, :nblk].long().cpu()
     placement.score_now = False
-    return FusedStep(starts, seq, blocks, chunks)
+    return FusedStep(cm.query_start_loc_cpu[: n + 1].long(), seq, blocks,
+                     _prompt_chunks(cm, scored))
 
 
 def attend(impl, layer, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata,
