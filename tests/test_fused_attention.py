@@ -30,39 +30,39 @@ ROWS = [(300, 700), (257, 257), (1, 500), (1, 33), (16, 16)]
 SCORED = [True, False, False, True, True]
 
 
-def _batch(bs, d, h, g, gen, isa="vec", unwritten=float("nan")):
-    """A step's batch (ROWS) over a paged cache whose slots past each row's
+def _batch(bs, d, h, g, gen, isa="vec", unwritten=float("nan"), rows=ROWS):
+    """A step's batch (`rows`) over a paged cache whose slots past each row's
     length hold `unwritten` (NaN: the pass must not read them)."""
     layout = KVLayout.discover(ops.cpu_attn_reshape_and_cache, isa, torch.bfloat16, bs, d, h)
-    need = [-(-s // bs) for _, s in ROWS]
+    need = [-(-s // bs) for _, s in rows]
     nb = sum(need) + 7
     kv = torch.full((nb, h, bs, 2 * d), unwritten, dtype=torch.bfloat16)
     kc, vc = layout.split(kv)
     perm = torch.randperm(nb, generator=gen)
     nblk = max(need)
-    blocks = torch.zeros(len(ROWS), nblk, dtype=torch.int64)
+    blocks = torch.zeros(len(rows), nblk, dtype=torch.int64)
     at = 0
     for i, k in enumerate(need):
         blocks[i, :k] = perm[at:at + k]
         at += k
-        s = ROWS[i][1]  # only a row's first s slots are written: the pass must not read past them
+        s = rows[i][1]  # only a row's first s slots are written: the pass must not read past them
         slots = (blocks[i, torch.arange(s) // bs] * bs + torch.arange(s) % bs).expand(h, -1)
         layout.write_tokens(kc, vc, slots // bs, slots % bs,
                             torch.randn(h, s, d, generator=gen).bfloat16(),
                             torch.randn(h, s, d, generator=gen).bfloat16())
-    starts = torch.tensor([0] + [n for n, _ in ROWS]).cumsum(0)
-    seq = torch.tensor([s for _, s in ROWS])
+    starts = torch.tensor([0] + [n for n, _ in rows]).cumsum(0)
+    seq = torch.tensor([s for _, s in rows])
     q = (torch.randn(int(starts[-1]), h * g, d, generator=gen) * 2).bfloat16()
     return layout, kc, vc, blocks, starts, seq, q
 
 
-def _reference(layout, kc, vc, blocks, starts, seq, q, scale):
+def _reference(layout, kc, vc, blocks, starts, seq, q, scale, rows=ROWS):
     """float64 attention output (N, H_q, D) and per-row column sums (H, seq)."""
     h = layout.num_kv_heads
     g = q.shape[1] // h
     out = torch.zeros(q.shape, dtype=torch.float64)
     cols = []
-    for i, (n, s) in enumerate(ROWS):
+    for i, (n, s) in enumerate(rows):
         k = layout.gather_keys(kc, blocks[i:i + 1])[0, :, :s].double()  # (H, s, D)
         v = layout.gather_values(vc, blocks[i:i + 1])[0, :, :s].double()
         qi = q[starts[i]:starts[i + 1]].double()  # (n, H_q, D)
@@ -111,6 +111,39 @@ def test_fused_pass_matches_float64_reference(bs, d, h, g):
         else:
             assert torch.equal(scores[:, slots], before[:, slots])
     assert torch.equal(scores[:, ~touched], before[:, ~touched])
+
+
+# A decode step: one query per row, lengths inside a block, at a block's end,
+# one past it, and long.
+DECODE_ROWS = [(1, 1), (1, 31), (1, 32), (1, 33), (1, 200), (1, 1500)]
+DECODE_SCORED = [True, True, False, True, True, True]
+
+
+@pytest.mark.parametrize("bs,d,h,g", [(32, 64, 3, 3), (32, 64, 2, 7), (16, 128, 1, 12)],
+                         ids=["smollm2", "qwen2.5-0.5b", "g12-d128"])
+def test_fused_pass_decode_step_matches_float64_reference(bs, d, h, g):
+    """A decode-only step (one query a row: the kernel reads keys and values in place, its
+    group's heads at most 8 at a time: g 12 is 8 + 4) against float64: output
+    within one bf16 rounding, the scored rows' column sums, the others untouched."""
+    _needs_pass()
+    gen = torch.Generator().manual_seed(g)
+    layout, kc, vc, blocks, starts, seq, q = _batch(bs, d, h, g, gen, "vec" if bs % 32 == 0 else "vec16",
+                                                    rows=DECODE_ROWS)
+    scale = d ** -0.5
+    scores = torch.rand(h, kc.shape[0] * bs, generator=gen)
+    before = scores.clone()
+    out = torch.full_like(q, float("nan"))
+    cpu_kernel.attend_add_column_sums(out, layout, kc, vc, q, starts, seq, blocks,
+                                      torch.tensor(DECODE_SCORED), scale, scores)
+    ref, cols = _reference(layout, kc, vc, blocks, starts, seq, q, scale, rows=DECODE_ROWS)
+    torch.testing.assert_close(out.double(), ref, rtol=2 ** -8, atol=1e-6)
+    for i, (_, s) in enumerate(DECODE_ROWS):
+        slots = _slots(blocks, i, s, bs)
+        added = (scores[:, slots] - before[:, slots]).double()
+        if DECODE_SCORED[i]:
+            torch.testing.assert_close(added, cols[i], rtol=1e-4, atol=1e-5)
+        else:
+            assert torch.equal(added, torch.zeros_like(added))
 
 
 def test_fused_pass_agrees_with_vllm_attention():

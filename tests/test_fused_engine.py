@@ -3,7 +3,8 @@ SmolLM2-135M through vLLM with H2O, prompts over their budget.
 
 Each request's prompt (~600 tokens, 256-token chunks) exceeds its 128-token
 budget, so it compacts right after the prompt and no identity promise covers
-it: its prompt chunks take the pass. The same requests run with the pass
+it: its prompt chunks and then its decode steps take the pass, and no layer
+logs a query for later scoring. The same requests run with the pass
 switched off (VLLM_KVEVICT_CPU_FUSED=off: vLLM's attention, then the scoring
 kernel) on the same engine, prefix cache reset between the runs; and once
 more with 200-token prompts at budget 208, which must not take the pass.
@@ -23,6 +24,7 @@ def runs(model_path, monkeypatch_module):
     from vllm import SamplingParams
     from vllm import _custom_ops as ops
 
+    from vllm_kvevict.core.scoring.query_buffers import QueryBuffers
     from vllm_kvevict.integration.worker import worker_state
 
     llm = make_llm(model_path, dtype="bfloat16", **engine_settings("h2o"))
@@ -31,21 +33,36 @@ def runs(model_path, monkeypatch_module):
         prompts = passages.passages(tok, 3, [f"austen_{n}" for n in passages.AUSTEN[:2]], 600)
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
                                 extra_args={"kv_budget": 128})
-        calls = {"fused": 0, "scored_rows": 0, "vllm_prompt_rows": 0}
+        calls = {"fused": 0, "fused_rows": 0, "fused_decode_only": 0, "fused_prompt_rows": 0, "scored_rows": 0,
+                 "vllm_rows": 0, "vllm_prompt_rows": 0, "logged": 0}
         real_pass, real_attention = cpu_kernel.attend_add_column_sums, ops.cpu_attention_with_kv_cache
+        real_hold, real_hold_ref = QueryBuffers.hold, QueryBuffers.hold_ref
 
         def counting_pass(*args):
+            q_lens = args[5][1:] - args[5][:-1]
             calls["fused"] += 1
+            calls["fused_rows"] += len(q_lens)
+            calls["fused_decode_only"] += int(bool((q_lens == 1).all()))
+            calls["fused_prompt_rows"] += int((q_lens > 1).sum())
             calls["scored_rows"] += int(args[8].sum())
             return real_pass(*args)
 
         def counting_attention(**kw):
-            qsl = kw["query_start_loc"]
-            calls["vllm_prompt_rows"] += int(((qsl[1:] - qsl[:-1]) > 1).sum())
+            q_lens = kw["query_start_loc"][1:] - kw["query_start_loc"][:-1]
+            calls["vllm_rows"] += len(q_lens)
+            calls["vllm_prompt_rows"] += int((q_lens > 1).sum())
             return real_attention(**kw)
+
+        def counting(real):
+            def hold(*args, **kw):
+                calls["logged"] += 1
+                return real(*args, **kw)
+            return hold
 
         monkeypatch_module.setattr(cpu_kernel, "attend_add_column_sums", counting_pass)
         monkeypatch_module.setattr(ops, "cpu_attention_with_kv_cache", counting_attention)
+        monkeypatch_module.setattr(QueryBuffers, "hold", counting(real_hold))
+        monkeypatch_module.setattr(QueryBuffers, "hold_ref", counting(real_hold_ref))
         state = worker_state()
         out = {}
         # within: 200-token prompts (the engine caps budgets at 256), budget 208
@@ -79,23 +96,28 @@ def monkeypatch_module():
         yield mp
 
 
-def test_prompts_over_budget_take_the_pass_and_vllm_attention_runs_no_prompt(runs):
-    """With the pass on, every prompt chunk went through it (vLLM's attention
-    saw no row of more than one query), each layer once per prefill step, and
-    it added the chunks' scores; off, it never ran."""
+def test_requests_over_budget_take_the_pass_for_every_step(runs):
+    """With the pass on, every step went through it, prompt chunks and
+    decode-only steps alike (vLLM's attention saw no row), each layer once a
+    step, scoring every row, and no layer logged a query for later scoring;
+    off, it never ran and the layers logged the decode queries."""
     on, off = runs["on"], runs["off"]
     assert all(n > 256 + 128 for n in on["prompt_lens"])  # over budget, more than one chunk
     assert on["fused"] > 0 and on["fused"] % on["layers"] == 0
-    assert on["scored_rows"] >= on["layers"] * 3  # >= 3 chunks of ~600 tokens at 256 a step
-    assert on["vllm_prompt_rows"] == 0
-    assert off["fused"] == 0 and off["vllm_prompt_rows"] > 0
+    assert on["fused_prompt_rows"] >= on["layers"] * 3  # >= 3 chunks of ~600 tokens at 256 a step
+    assert on["fused_decode_only"] >= on["layers"] * 20  # 24 tokens: ~22 decode-only steps
+    assert on["vllm_rows"] == 0 and on["logged"] == 0
+    assert on["scored_rows"] == on["fused_rows"]
+    assert off["fused"] == 0 and off["vllm_prompt_rows"] > 0 and off["logged"] > 0
 
 
 def test_requests_within_their_budget_keep_vllm_attention(runs):
     """Budget above the prompt (scored, since it may compact in decode): held
-    to stock's tokens until it evicts, so its prompt keeps vLLM's attention."""
+    to stock's tokens until it evicts, which these 24 tokens do not reach, so
+    every step keeps vLLM's attention and the layers log decode queries."""
     within = runs["within"]
-    assert within["fused"] == 0 and within["vllm_prompt_rows"] > 0
+    assert within["compactions"] == 0
+    assert within["fused"] == 0 and within["vllm_prompt_rows"] > 0 and within["logged"] > 0
 
 
 def test_first_tokens_equal_and_kept_sets_agree_with_the_unfused_path(runs):

@@ -16,6 +16,12 @@
 // quantities in the same precision in another order: the two outputs differ
 // in a few bf16 roundings per 10,000 (tests/test_fused_attention.py).
 //
+// Decode rows (one query) read their keys and values in place instead
+// (run_decode): logits for the G heads of the group straight from the vec
+// layout's [D][BS] keys, P V widening values as it reads them, as vLLM's own
+// kernel reads a decode's cache once (decode steps: 0.65-1.0x the time of
+// vLLM's attention, which computes no scores).
+//
 // Work: tasks (r, h, split), a (row, KV head)'s query rows in blocks of ROWS
 // interleaved over its splits (causal rows balance), sized by their logits
 // and pulled by the threads from a shared counter, largest first. A task packs
@@ -106,6 +112,143 @@ void pv_block(const float* p, int64_t ld, const int64_t* vis, const float* inv, 
   for (; j < nb; ++j) pv_rows<1, DV>(p + j * ld, ld, vis + j, inv + j, v, dst + j);
 }
 
+// --- decode rows: one query per (row, head), keys and values read in place.
+// Packing keys and widening values (run_task) pays for itself over a chunk's
+// many queries; a decode row reads each key once, so it reads them straight
+// from vLLM's vec layouts (a dim's tokens contiguous: [D][BS] per block and
+// head) as vLLM's own kernel does, with logits for the G heads of its group
+// and P V into G rows of registers.
+
+// l[j * ld + i] = q_j . k_i for i in [0, n16) (n16 a multiple of 16, within
+// the row's blocks; slots past its length are read and masked later).
+template <int G>
+void decode_logits(const Work& w, int64_t r, int64_t h, int64_t n16, const int32_t* qp, int64_t hp,
+                   float* l, int64_t ld) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t t = 0; t < n16; t += 16) {
+    const uint16_t* base =
+        reinterpret_cast<const uint16_t*>(key_base<at::BFloat16>(w, r, h, t)) + t % w.bs;
+    __m512 acc[G];
+    for (int j = 0; j < G; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < hp; ++p) {  // dims 2p, 2p + 1 of 16 tokens, interleaved: one vpermw
+      const __m256i a = _mm256_loadu_si256((const __m256i*)(base + 2 * p * w.bs));
+      const __m256i b = _mm256_loadu_si256((const __m256i*)(base + (2 * p + 1) * w.bs));
+      const __m512bh kv = (__m512bh)_mm512_permutexvar_epi16(
+          idx, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+      for (int j = 0; j < G; ++j)
+        acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32(qp[j * hp + p]), kv);
+    }
+    for (int j = 0; j < G; ++j) _mm512_storeu_ps(l + j * ld + t, acc[j]);
+  }
+}
+
+// dst[j] = inv[j] * sum_i p[j, i] v_i over i in [0, n), JN rows, DV 16-dim
+// vectors a head; values widened from the paged cache as they are read.
+template <int JN, int DV>
+void decode_pv(const at::Tensor& vc, const Batch& b, int64_t r, int64_t h, int64_t n, const float* p,
+               int64_t ld, const float* inv, uint16_t* const* dst) {
+  const uint16_t* cache = reinterpret_cast<const uint16_t*>(vc.data_ptr<at::BFloat16>());
+  __m512 acc[JN][DV];
+  for (int j = 0; j < JN; ++j)
+    for (int c = 0; c < DV; ++c) acc[j][c] = _mm512_setzero_ps();
+  for (int64_t i0 = 0; i0 < n; i0 += b.bs) {
+    const uint16_t* src = cache + b.blocks[r * b.nblk + i0 / b.bs] * vc.stride(0) + h * vc.stride(1);
+    const int64_t m = std::min(b.bs, n - i0);
+    for (int64_t i = 0; i < m; ++i) {
+      __m512 vr[DV];
+      for (int c = 0; c < DV; ++c)
+        vr[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + i * b.d + c * 16))), 16));
+      for (int j = 0; j < JN; ++j) {
+        const __m512 pj = _mm512_set1_ps(p[j * ld + i0 + i]);
+        for (int c = 0; c < DV; ++c) acc[j][c] = _mm512_fmadd_ps(pj, vr[c], acc[j][c]);
+      }
+    }
+  }
+  for (int j = 0; j < JN; ++j) {
+    const __m512 s = _mm512_set1_ps(inv[j]);
+    for (int c = 0; c < DV; ++c) {
+      const __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[j][c], s));
+      std::memcpy(dst[j] + c * 16, &o, 32);
+    }
+  }
+}
+
+// decode_pv over nb rows, as many at a time as registers hold
+// ((JN + 1) x DV vectors within 32): each value read once per JN rows.
+template <int DV>
+void decode_pv_rows(const at::Tensor& vc, const Batch& b, int64_t r, int64_t h, int64_t n,
+                    const float* p, int64_t ld, const float* inv, uint16_t* const* dst, int64_t nb) {
+  constexpr int MAXJ = DV <= 4 ? 4 : DV <= 6 ? 3 : 2;
+  for (int64_t j = 0; j < nb;) {
+    const int64_t k = std::min<int64_t>(MAXJ, nb - j);
+    const float* pj = p + j * ld;
+    switch (k) {
+      case 4: if constexpr (MAXJ >= 4) decode_pv<4, DV>(vc, b, r, h, n, pj, ld, inv + j, dst + j); break;
+      case 3: if constexpr (MAXJ >= 3) decode_pv<3, DV>(vc, b, r, h, n, pj, ld, inv + j, dst + j); break;
+      case 2: decode_pv<2, DV>(vc, b, r, h, n, pj, ld, inv + j, dst + j); break;
+      default: decode_pv<1, DV>(vc, b, r, h, n, pj, ld, inv + j, dst + j);
+    }
+    j += k;
+  }
+}
+
+// Query heads [j0, j0 + G) of a decode task's group: logits, softmax, their
+// column sums added into `col`, P V.
+template <int G>
+void decode_row(const Work& w, const at::Tensor& vc, const Batch& b, const Task& t, int64_t j0,
+                const uint16_t* q, uint16_t* out, float* col, std::vector<float>& logits,
+                std::vector<int32_t>& qp) {
+  const int64_t d = b.d, hp = d / 2, tok = b.starts[t.r], n = b.seq[t.r];
+  const int64_t n16 = (n + 15) / 16 * 16;
+  logits.resize(G * n16);
+  qp.resize(G * hp);
+  uint16_t* dst[G];
+  int64_t vis[G];
+  float inv[G];
+  for (int j = 0; j < G; ++j) {
+    const int64_t head = t.h * b.g + j0 + j;
+    std::memcpy(&qp[j * hp], q + tok * b.qs0 + head * b.qs1, d * 2);
+    dst[j] = out + (tok * b.hq + head) * d;
+    vis[j] = n;
+  }
+  float* l = logits.data();
+  decode_logits<G>(w, t.r, t.h, n16, qp.data(), hp, l, n16);
+  exp_rows_512(l, n16, vis, G, n16, w.scale, inv);
+  if (col != nullptr) add_rows_512(l, n16, inv, G, n16, col);
+  switch (d / 16) {
+    case 1: decode_pv_rows<1>(vc, b, t.r, t.h, n, l, n16, inv, dst, G); break;
+    case 2: decode_pv_rows<2>(vc, b, t.r, t.h, n, l, n16, inv, dst, G); break;
+    case 3: decode_pv_rows<3>(vc, b, t.r, t.h, n, l, n16, inv, dst, G); break;
+    case 4: decode_pv_rows<4>(vc, b, t.r, t.h, n, l, n16, inv, dst, G); break;
+    case 5: decode_pv_rows<5>(vc, b, t.r, t.h, n, l, n16, inv, dst, G); break;
+    case 6: decode_pv_rows<6>(vc, b, t.r, t.h, n, l, n16, inv, dst, G); break;
+    case 7: decode_pv_rows<7>(vc, b, t.r, t.h, n, l, n16, inv, dst, G); break;
+    default: decode_pv_rows<8>(vc, b, t.r, t.h, n, l, n16, inv, dst, G); break;
+  }
+}
+
+// A decode task (one query, unsplit, keys in vLLM's vec layouts) in place,
+// its group's heads at most 8 at a time; false where it is not one (run_task packs).
+bool run_decode(const Work& w, const at::Tensor& vc, const Batch& b, const Task& t, const uint16_t* q,
+                uint16_t* out, float* col, std::vector<float>& logits, std::vector<int32_t>& qp) {
+  if (!w.tiles.rows || t.splits != 1 || b.starts[t.r + 1] - b.starts[t.r] != 1) return false;
+  for (int64_t j0 = 0; j0 < b.g; j0 += 8) {
+    switch (std::min<int64_t>(8, b.g - j0)) {
+      case 1: decode_row<1>(w, vc, b, t, j0, q, out, col, logits, qp); break;
+      case 2: decode_row<2>(w, vc, b, t, j0, q, out, col, logits, qp); break;
+      case 3: decode_row<3>(w, vc, b, t, j0, q, out, col, logits, qp); break;
+      case 4: decode_row<4>(w, vc, b, t, j0, q, out, col, logits, qp); break;
+      case 5: decode_row<5>(w, vc, b, t, j0, q, out, col, logits, qp); break;
+      case 6: decode_row<6>(w, vc, b, t, j0, q, out, col, logits, qp); break;
+      case 7: decode_row<7>(w, vc, b, t, j0, q, out, col, logits, qp); break;
+      default: decode_row<8>(w, vc, b, t, j0, q, out, col, logits, qp); break;
+    }
+  }
+  return true;
+}
+
 struct Scratch {
   std::vector<uint16_t> keys;
   std::vector<float> values, logits;
@@ -115,6 +258,7 @@ struct Scratch {
 
 void run_task(const Work& w, const at::Tensor& vc, const Batch& b, const Task& t, const uint16_t* q,
               uint16_t* out, float* col, Scratch& s) {
+  if (run_decode(w, vc, b, t, q, out, col, s.logits, s.qp)) return;
   task_rows(b, t, s.tok, s.head, s.vis);
   if (s.tok.empty()) return;
   const int64_t d = b.d, hp = d / 2;
@@ -260,11 +404,15 @@ void attend_add_column_sums(at::Tensor out, const at::Tensor& q, const at::Tenso
       const fused::Task& t = *firsts[k];
       float* dst = sp + t.h * slots;
       const int64_t m = (sq[t.r] + 15) / 16 * 16;
-      // a (row, head)'s splits were laid out consecutively: split s at col + s * m
-      for (int64_t i = 0; i < sq[t.r]; ++i) {
-        float v = 0;
-        for (int64_t s = 0; s < t.splits; ++s) v += colbuf[t.col + s * m + i];
-        dst[bl[t.r * nblk + i / bs] * bs + i % bs] += v;
+      // a (row, head)'s splits were laid out consecutively: split s at col + s * m;
+      // a block's slots are contiguous
+      for (int64_t i0 = 0; i0 < sq[t.r]; i0 += bs) {
+        float* slot = dst + bl[t.r * nblk + i0 / bs] * bs;
+        const int64_t e = std::min(bs, sq[t.r] - i0);
+        for (int64_t s = 0; s < t.splits; ++s) {
+          const float* src = colbuf.data() + t.col + s * m + i0;
+          for (int64_t i = 0; i < e; ++i) slot[i] += src[i];
+        }
       }
     }
   });

@@ -73,16 +73,18 @@ class EvictingCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         metadata = super().build(common_prefix_len, cm, fast_build)
         scored = self.state.scored_rows(cm.num_reqs)
         fuse = fused_attention.wanted(self, self.state, cm, scored)
+        # A fused step's scores come from the pass: the recorder places no row.
+        placed = torch.zeros(cm.num_reqs, dtype=torch.bool) if fuse else scored
         placement = self.state.place_queries(cm.num_reqs, cm.query_start_loc_cpu,
                                              cm.seq_lens[: cm.num_reqs].cpu(),
-                                             logical.seq_lens[: cm.num_reqs].cpu(), scored,
+                                             logical.seq_lens[: cm.num_reqs].cpu(), placed,
                                              defer_chunks=not fuse)
         log_only = None
-        # Before log_only: taking the pass clears placement.score_now.
         fused = fused_attention.plan(self, cm, placement, scored) if fuse else None
-        if placement is not None:  # the layers only log: zero new slots here, once
+        if placement is not None:  # the layers only log (or the pass scores): zero new slots here, once
             self.state.zero_new_slots(cm.slot_mapping, cm.num_actual_tokens)
-            log_only = self.state.log_only(placement, cm.num_actual_tokens)
+            if fused is None:
+                log_only = self.state.log_only(placement, cm.num_actual_tokens)
         setattr(metadata, fused_attention.FUSED_ATTR, fused)
         setattr(metadata, PLACEMENT_ATTR, placement)
         setattr(metadata, LOG_ONLY_ATTR, log_only)
@@ -131,11 +133,12 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
         make_layout = lambda kv: layout_for_cache(kv, layer.isa)  # noqa: E731
         fused = getattr(attn_metadata, fused_attention.FUSED_ATTR, None)
         if fused is not None and self.attn_type == AttentionType.DECODER:
-            out = fused_attention.attend(self, layer, query, kv_cache, attn_metadata, output,
-                                         fused, make_layout)
-        else:
-            out = super().forward(layer, query, key, value, kv_cache, attn_metadata,
-                                  output, output_scale, output_block_scale)
+            # The pass attends and adds the step's scores: nothing else to record
+            # (`wanted` refuses offload).
+            return fused_attention.attend(self, layer, query, kv_cache, attn_metadata, output,
+                                          fused, make_layout)
+        out = super().forward(layer, query, key, value, kv_cache, attn_metadata,
+                              output, output_scale, output_block_scale)
         state = worker_state()
         if state is None:
             return out

@@ -1,14 +1,18 @@
-"""CPU steps in which H2O scores a prompt chunk and no request is held to stock
-vLLM's tokens: attention and the chunk's scores in one pass
+"""CPU steps in which H2O scores and no request is held to stock vLLM's
+tokens: attention and the step's scores in one pass
 (`cpu_kernel.attend_add_column_sums`, cpu_kernel/fused_attention.h) instead
 of vLLM's attention followed by the scoring kernel.
 
-H2O's contract is the attention each prompt query pays each key, so at long
-prompts its scoring is attention's logits once more (served, 8 x 3,000-token
-prompts: vLLM's attention 50% of the worker's time, the scoring kernel 11.5%).
-The pass computes the logits once, float32-accurate as the scoring kernel
-does, and takes the exps for both the column sums and P V (prefill, two
-threads: 0.6x vLLM's attention alone; benchmarks/cpu_kernel.py).
+H2O's contract is the attention each query pays each key, so its scoring is
+attention's logits once more: at long prompts (served, 8 x 3,000 tokens)
+vLLM's attention took 50% of the worker's time and the scoring kernel 11.5%;
+at decode every layer hands its queries to the decode log, flushed through
+the kernel later. The pass computes the logits once, float32-accurate as the
+scoring kernel does, and takes the exps for both the column sums and P V
+(prefill, two threads: 0.5x vLLM's attention plus the scoring kernel; decode
+rows, which it reads in place: 0.65-1.0x vLLM's attention alone;
+benchmarks/cpu_kernel.py). A step that takes it scores every scored row in
+the pass: its layers log nothing.
 
 Why only steps whose every request diverges from stock anyway: the pass's
 output is as accurate as vLLM's (tests/test_fused_attention.py) but not bit
@@ -17,16 +21,15 @@ evicted. A request that compacts right after its prompt (a prompt over its
 budget, or any fractional budget under 1 that its prompt's blocks exceed) or
 has evicted already differs from stock from its second token on; its first
 token comes from the fused prompt and could differ where a bf16 rounding
-tips an argmax. Requests within their budget never take the pass.
+tips an argmax. Requests within their budget never take the pass, and
+neither does any step they are in.
 
 Decided once per step by the metadata builder (`wanted`, then `plan`), for
 all its layers:
   - the recorder is H2O's and no request holds private (shared-block) scores;
   - vLLM runs its vec / vec16 CPU attention on a bf16 model and cache, with
     no sliding window, ALiBi, soft-cap or sinks (the backend refuses those);
-  - some row is a prompt chunk scored in this step: decode-only steps keep
-    vLLM's kernel, which reads a decode's keys once where the pass packs them
-    first (1.8-2x vLLM's time per decode row);
+  - some row of the step is scored;
   - VLLM_KVEVICT_CPU_FUSED is `on` (the default; `off` keeps vLLM's
     attention everywhere, for comparisons).
 """
@@ -49,7 +52,7 @@ class FusedStep(NamedTuple):
     starts: torch.Tensor  # (R + 1,) int64 query_start_loc
     seq: torch.Tensor  # (R,) int64 physical lengths
     blocks: torch.Tensor  # (R, nblk) int64 block table, nblk covering every row
-    score_rows: torch.Tensor  # (R,) bool: prompt chunks whose scores the pass adds
+    score_rows: torch.Tensor  # (R,) bool: the rows whose scores the pass adds
 
 
 def enabled() -> bool:
@@ -66,47 +69,39 @@ def reads(builder) -> bool:
             and enabled())
 
 
-def _prompt_chunks(cm, scored: torch.Tensor | None) -> torch.Tensor:
-    """(num_reqs,) bool: the step's prompt chunks (more than one query) that
-    H2O scores (`scored`, None: every row)."""
-    n = cm.num_reqs
-    starts = cm.query_start_loc_cpu[: n + 1]
-    chunks = (starts[1:] - starts[:-1]) > 1
-    return chunks if scored is None else chunks & scored
+def _score_rows(num_reqs: int, scored: torch.Tensor | None) -> torch.Tensor:
+    """(num_reqs,) bool: the rows H2O scores this step (`scored`, None: every row)."""
+    return torch.ones(num_reqs, dtype=torch.bool) if scored is None else scored
 
 
 def wanted(builder, state, cm, scored: torch.Tensor | None) -> bool:
     """Before the step's queries are placed: whether it takes the pass. Then
-    no prompt chunk waits in the chunk log (`place_queries(defer_chunks=False)`):
-    the pass scores chunks in their forward at no cost of their own.
+    the recorder places none of them (`place_queries` with no row scored):
+    no decode query waits in the decode log and no chunk in the chunk log.
     cm: the physical CommonAttentionMetadata of the step."""
-    if (not state.recorder.fuses_prompt or state.private.tokens or state.cfg.offload
+    if (not state.recorder.fuses_cpu_step or state.private.tokens or state.cfg.offload
             or not reads(builder)):
         return False
-    return bool(_prompt_chunks(cm, scored).any()) and state.all_rows_diverge(cm.num_reqs)
+    return bool(_score_rows(cm.num_reqs, scored).any()) and state.all_rows_diverge(cm.num_reqs)
 
 
 def plan(builder, cm, placement, scored: torch.Tensor | None) -> FusedStep | None:
-    """After placing (without deferred chunks) a step that `wanted` the pass:
-    its FusedStep, or None where the recorder placed nothing (it would then
-    score every row itself). The chunks the pass scores leave the recorder's
-    work: `placement.score_now` is cleared, so the layers only log the step's
-    decode queries (the builder zeroes the new slots, as for every placement)."""
+    """After placing (with no row scored) a step that `wanted` the pass: its
+    FusedStep, or None where the recorder placed nothing (a second builder in
+    the step, a dummy run: the layers then score every row themselves)."""
     if placement is None:
         return None
     n = cm.num_reqs
     seq = cm.seq_lens[:n].long().cpu()
     nblk = -(-int(seq.max()) // builder.block_size)
     blocks = cm.block_table_tensor[:n, :nblk].long().cpu()
-    placement.score_now = False
-    return FusedStep(cm.query_start_loc_cpu[: n + 1].long(), seq, blocks,
-                     _prompt_chunks(cm, scored))
+    return FusedStep(cm.query_start_loc_cpu[: n + 1].long(), seq, blocks, _score_rows(n, scored))
 
 
 def attend(impl, layer, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata,
            output: torch.Tensor, step: FusedStep, make_layout) -> torch.Tensor:
-    """Run the pass for one layer into `output` (num_tokens, H_q * D), its
-    prompt chunks' scores into the layer's score buffer. The kernel refuses a
+    """Run the pass for one layer into `output` (num_tokens, H_q * D), the
+    scored rows' scores into the layer's score buffer. The kernel refuses a
     cache it cannot read (`reads` keeps those from being planned)."""
     lc = worker_state().layer(layer.layer_name, kv_cache, make_layout)
     n = attn_metadata.num_actual_tokens

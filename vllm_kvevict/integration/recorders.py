@@ -40,9 +40,9 @@ class Recorder:
 
     scoring = False  # scores with the kernels every step (the worker logs their CPU path)
     fuses_decode = False  # an all-decode step may run attention + recording in one kernel
-    # a CPU step's prompt chunks may take attention + recording from one pass
+    # a CPU step may take attention + recording from one pass
     # (integration/fused_attention.py)
-    fuses_prompt = False
+    fuses_cpu_step = False
 
     def __init__(self, state: "WorkerEviction") -> None:
         self.state = state
@@ -94,7 +94,7 @@ class AttentionRecorder(Recorder):
 
     scoring = True
     fuses_decode = True
-    fuses_prompt = True
+    fuses_cpu_step = True
 
     def score_slots(self, slots: int) -> int:
         return slots
