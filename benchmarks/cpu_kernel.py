@@ -21,8 +21,10 @@ For the prefill shapes, the fused pass (`attend_add_column_sums`: attention
 and H2O's column sums in one pass, what the engine runs for prompt chunks of
 requests that evict anyway; integration/fused_attention.py) against what it
 replaces, vLLM's attention plus the best scoring path. It reads vLLM's `vec`
-layout on AVX-512 BF16 CPUs only ("-" elsewhere, and for the flush shapes:
-decode rows keep vLLM's kernel).
+layout on AVX-512 BF16 CPUs only ("-" elsewhere, and for the flush shapes).
+A second table times one layer of a decode step the same way: vLLM's
+attention plus the scoring kernel's share of a flush, against the pass
+(which reads a decode row's keys and values in place).
 """
 from __future__ import annotations
 
@@ -43,6 +45,17 @@ SHAPES = [  # (name, rows, queries per row, keys, causal)
     ("prefill chunk 256 @ 4,096 (1 layer)", 1, 256, 4096, True),
     ("prefill 2,048 causal (1 layer)", 1, 2048, 2048, True),
 ]
+
+
+DECODE_SHAPES = [  # (name, requests, keys): one layer of one decode step
+    ("16 req @ 200 (the main job)", 16, 200),
+    ("50 req @ 160 (steady pool, 20%)", 50, 160),
+    ("17 req @ 480", 17, 480),
+    ("32 req @ 1,024", 32, 1024),
+    ("8 req @ 3,000", 8, 3000),
+    ("1 req @ 8,000", 1, 8000),
+]
+FLUSH = 32  # decode queries a decode-log flush scores at once in the engine
 
 
 def median_ms(fn, reps: int) -> float:
@@ -134,6 +147,8 @@ def main(argv=None) -> int:
         lines.append(f"| {name} | {t_torch:.2f} | " + " | ".join(cells) +
                      f" | {macs / best / 1e6:.0f} | {t_attn:.2f} | {best / t_attn:.2f} | {fused} |")
         print(lines[-1], file=sys.stderr, flush=True)
+    if cpu_kernel.fuses_attention(layout, torch.bfloat16):
+        lines += decode_table(args, ops, cpu_kernel, layout, layout_isa, kc, vc, nb, gen, paths)
     head = [f"command: `{' '.join([os.path.relpath(sys.executable)] + sys.argv)}`  ",
             f"CPU: {platform.processor() or platform.machine()}, flags `{cpu_kernel.cpu_flags()}`"
             f"; {args.threads} thread(s); vLLM cache layout `{layout_isa}`, bf16; "
@@ -144,6 +159,33 @@ def main(argv=None) -> int:
         with open(args.md, "w") as f:
             f.write(text + "\n")
     return 0
+
+
+def decode_table(args, ops, cpu_kernel, layout, layout_isa, kc, vc, nb, gen, paths) -> list[str]:
+    """One layer of a decode step, scored: vLLM's attention plus the scoring
+    kernel's share of a decode-log flush (FLUSH queries a row at once, / FLUSH)
+    against the fused pass, which reads the step's keys and values in place."""
+    cols = ["decode step (1 layer)", "vLLM attention ms", "scoring ms / step (flush / 32)",
+            "fused pass ms", "fused / vLLM attention", "fused / (attention + scoring)"]
+    lines = ["", "| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
+    for name, r, n in DECODE_SHAPES:
+        nblk = -(-n // BS)
+        rows = torch.stack([torch.randperm(nb, generator=gen)[:nblk] for _ in range(r)])
+        q = torch.randn(r, 1, H * G, D, generator=gen).bfloat16()
+        t_attn = median_ms(vllm_attention(ops, layout_isa, q, kc, vc, rows, n, True)[0], args.reps)
+        qf = torch.randn(r, FLUSH, H * G, D, generator=gen).bfloat16()
+        vis = torch.full((r, FLUSH), n)
+        t_score = min(median_ms(lambda: cpu_kernel.column_sums(layout, kc, qf, vis, rows, 0.125, isa),
+                                args.reps) for isa in paths) / FLUSH
+        out, acc = torch.empty(r, H * G, D, dtype=torch.bfloat16), torch.zeros(H, nb * BS)
+        starts, seq = torch.arange(r + 1), torch.full((r,), n)
+        t_f = median_ms(lambda: cpu_kernel.attend_add_column_sums(
+            out, layout, kc, vc, q[:, 0], starts, seq, rows, torch.ones(r, dtype=torch.bool),
+            0.125, acc), args.reps)
+        lines.append(f"| {name} | {t_attn:.3f} | {t_score:.3f} | {t_f:.3f} | {t_f / t_attn:.2f}"
+                     f" | {t_f / (t_attn + t_score):.2f} |")
+        print(lines[-1], file=sys.stderr, flush=True)
+    return lines
 
 
 if __name__ == "__main__":

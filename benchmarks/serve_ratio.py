@@ -97,7 +97,7 @@ def main() -> int:
     ap.add_argument("--eager", action="store_true", help="add --enforce-eager everywhere")
     ap.add_argument("--unfused", action="store_true",
                     help="also run h2o with VLLM_KVEVICT_CPU_FUSED=off (vLLM's attention + "
-                         "the scoring kernel for prompts that evict anyway)")
+                         "the scoring kernel for requests that evict anyway)")
     ap.add_argument("--json", help="write every run here")
     ap.add_argument("--plot", help="write the ratios as a bar chart here (PNG)")
     args = ap.parse_args()
