@@ -197,6 +197,21 @@ void softmax_block_512(float* l, int64_t ld, const int64_t* vis, int64_t nb, int
   add_rows_512(l, ld, inv, nb, n16, col);
 }
 
+// vpermw's index that interleaves two 16-lane halves: lanes 0-15 (dim 2p of
+// 16 tokens) and 16-31 (dim 2p + 1) become 16 (2p, 2p + 1) pairs.
+inline __m512i pair_index() {
+  return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+}
+
+// Dims 2p (at `lo`) and 2p + 1 (at `hi`) of 16 tokens, bf16, as one vdpbf16ps
+// operand: 16 (2p, 2p + 1) pairs. vLLM's vec layout keeps a dim's tokens contiguous.
+inline __m512i dim_pair_bf16(const uint16_t* lo, const uint16_t* hi, __m512i idx) {
+  const __m256i a = _mm256_loadu_si256((const __m256i*)lo);
+  const __m256i b = _mm256_loadu_si256((const __m256i*)hi);
+  return _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+}
+
 // Keys [0, n) (n a multiple of 16) of (r, h) as vdpbf16ps operands:
 // [n/16][D/2][16][2] bf16. vLLM's amx layout already is this, per 16 tokens.
 void pack_bf16(const Work& w, int64_t r, int64_t h, int64_t n, uint16_t* out) {
@@ -211,15 +226,11 @@ void pack_bf16(const Work& w, int64_t r, int64_t h, int64_t n, uint16_t* out) {
       continue;
     }
     if (T.rows) {  // interleave dims 2p and 2p + 1 of 16 tokens: one vpermw
-      const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+      const __m512i idx = pair_index();
       const uint16_t* base = src + t % w.bs;
-      for (int64_t p = 0; p < d / 2; ++p) {
-        const __m256i a = _mm256_loadu_si256((const __m256i*)(base + 2 * p * w.bs));
-        const __m256i b = _mm256_loadu_si256((const __m256i*)(base + (2 * p + 1) * w.bs));
-        const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-        _mm512_storeu_si512(dst + p * 32, _mm512_permutexvar_epi16(idx, ab));
-      }
+      for (int64_t p = 0; p < d / 2; ++p)
+        _mm512_storeu_si512(dst + p * 32,
+                            dim_pair_bf16(base + 2 * p * w.bs, base + (2 * p + 1) * w.bs, idx));
       continue;
     }
     for (int64_t i = 0; i < 16; ++i)
@@ -252,8 +263,7 @@ void pack_fp8(const Work& w, int64_t r, int64_t h, int64_t n, uint16_t* out) {
   const uint16_t* bf16 = fp8_to_bf16<F8>();
   __m512i lut[4];
   for (int i = 0; i < 4; ++i) lut[i] = _mm512_loadu_si512(bf16 + 32 * i);
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i idx = pair_index();
   for (int64_t c = 0; c < n / 16; ++c) {
     const int64_t t = c * 16;
     const uint8_t* src = reinterpret_cast<const uint8_t*>(key_base<F8>(w, r, h, t));

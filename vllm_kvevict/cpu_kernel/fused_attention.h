@@ -19,7 +19,7 @@
 // Decode rows (one query) read their keys and values in place instead
 // (run_decode): logits for the G heads of the group straight from the vec
 // layout's [D][BS] keys, P V widening values as it reads them, as vLLM's own
-// kernel reads a decode's cache once (decode steps: 0.65-1.0x the time of
+// kernel reads a decode's cache once (decode steps: 0.6-1.0x the time of
 // vLLM's attention, which computes no scores).
 //
 // Work: tasks (r, h, split), a (row, KV head)'s query rows in blocks of ROWS
@@ -76,6 +76,27 @@ void widen_values(const at::Tensor& vc, const Batch& b, int64_t r, int64_t h, in
   }
 }
 
+// acc[j] += p[j * ld] * vr for JN rows of exps, one value row of DV 16-dim vectors.
+template <int JN, int DV>
+inline void pv_add(__m512 (&acc)[JN][DV], const __m512 (&vr)[DV], const float* p, int64_t ld) {
+  for (int j = 0; j < JN; ++j) {
+    const __m512 pj = _mm512_set1_ps(p[j * ld]);
+    for (int c = 0; c < DV; ++c) acc[j][c] = _mm512_fmadd_ps(pj, vr[c], acc[j][c]);
+  }
+}
+
+// dst[j] = acc[j] * inv[j], rounded to bf16 once.
+template <int JN, int DV>
+inline void pv_store(const __m512 (&acc)[JN][DV], const float* inv, uint16_t* const* dst) {
+  for (int j = 0; j < JN; ++j) {
+    const __m512 s = _mm512_set1_ps(inv[j]);
+    for (int c = 0; c < DV; ++c) {
+      const __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[j][c], s));
+      std::memcpy(dst[j] + c * 16, &o, 32);
+    }
+  }
+}
+
 // out rows = inv * sum_i p[j, i] v_i for JN rows of exps (zero past a row's
 // horizon), DV 16-dim vectors per head: each value row loaded once per JN rows.
 template <int JN, int DV>
@@ -89,18 +110,9 @@ inline void pv_rows(const float* p, int64_t ld, const int64_t* vis, const float*
   for (int64_t i = 0; i < top; ++i) {
     __m512 vr[DV];
     for (int c = 0; c < DV; ++c) vr[c] = _mm512_loadu_ps(v + i * DV * 16 + c * 16);
-    for (int j = 0; j < JN; ++j) {
-      const __m512 pj = _mm512_set1_ps(p[j * ld + i]);
-      for (int c = 0; c < DV; ++c) acc[j][c] = _mm512_fmadd_ps(pj, vr[c], acc[j][c]);
-    }
+    pv_add<JN, DV>(acc, vr, p + i, ld);
   }
-  for (int j = 0; j < JN; ++j) {
-    const __m512 s = _mm512_set1_ps(inv[j]);
-    for (int c = 0; c < DV; ++c) {
-      const __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[j][c], s));
-      std::memcpy(dst[j] + c * 16, &o, 32);
-    }
-  }
+  pv_store<JN, DV>(acc, inv, dst);
 }
 
 template <int DV>
@@ -124,18 +136,14 @@ void pv_block(const float* p, int64_t ld, const int64_t* vis, const float* inv, 
 template <int G>
 void decode_logits(const Work& w, int64_t r, int64_t h, int64_t n16, const int32_t* qp, int64_t hp,
                    float* l, int64_t ld) {
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i idx = pair_index();
   for (int64_t t = 0; t < n16; t += 16) {
     const uint16_t* base =
         reinterpret_cast<const uint16_t*>(key_base<at::BFloat16>(w, r, h, t)) + t % w.bs;
     __m512 acc[G];
     for (int j = 0; j < G; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < hp; ++p) {  // dims 2p, 2p + 1 of 16 tokens, interleaved: one vpermw
-      const __m256i a = _mm256_loadu_si256((const __m256i*)(base + 2 * p * w.bs));
-      const __m256i b = _mm256_loadu_si256((const __m256i*)(base + (2 * p + 1) * w.bs));
-      const __m512bh kv = (__m512bh)_mm512_permutexvar_epi16(
-          idx, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+    for (int64_t p = 0; p < hp; ++p) {  // dims 2p, 2p + 1 of 16 tokens, as pack_bf16 makes them
+      const __m512bh kv = (__m512bh)dim_pair_bf16(base + 2 * p * w.bs, base + (2 * p + 1) * w.bs, idx);
       for (int j = 0; j < G; ++j)
         acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32(qp[j * hp + p]), kv);
     }
@@ -160,19 +168,10 @@ void decode_pv(const at::Tensor& vc, const Batch& b, int64_t r, int64_t h, int64
       for (int c = 0; c < DV; ++c)
         vr[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + i * b.d + c * 16))), 16));
-      for (int j = 0; j < JN; ++j) {
-        const __m512 pj = _mm512_set1_ps(p[j * ld + i0 + i]);
-        for (int c = 0; c < DV; ++c) acc[j][c] = _mm512_fmadd_ps(pj, vr[c], acc[j][c]);
-      }
+      pv_add<JN, DV>(acc, vr, p + i0 + i, ld);
     }
   }
-  for (int j = 0; j < JN; ++j) {
-    const __m512 s = _mm512_set1_ps(inv[j]);
-    for (int c = 0; c < DV; ++c) {
-      const __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[j][c], s));
-      std::memcpy(dst[j] + c * 16, &o, 32);
-    }
-  }
+  pv_store<JN, DV>(acc, inv, dst);
 }
 
 // decode_pv over nb rows, as many at a time as registers hold

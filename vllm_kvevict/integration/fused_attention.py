@@ -10,7 +10,7 @@ at decode every layer hands its queries to the decode log, flushed through
 the kernel later. The pass computes the logits once, float32-accurate as the
 scoring kernel does, and takes the exps for both the column sums and P V
 (prefill, two threads: 0.5x vLLM's attention plus the scoring kernel; decode
-rows, which it reads in place: 0.65-1.0x vLLM's attention alone;
+rows, which it reads in place: 0.6-1.0x vLLM's attention alone;
 benchmarks/cpu_kernel.py). A step that takes it scores every scored row in
 the pass: its layers log nothing.
 
@@ -82,7 +82,7 @@ def wanted(builder, state, cm, scored: torch.Tensor | None) -> bool:
     if (not state.recorder.fuses_cpu_step or state.private.tokens or state.cfg.offload
             or not reads(builder)):
         return False
-    return bool(_score_rows(cm.num_reqs, scored).any()) and state.all_rows_diverge(cm.num_reqs)
+    return (scored is None or bool(scored.any())) and state.all_rows_diverge(cm.num_reqs)
 
 
 def plan(builder, cm, placement, scored: torch.Tensor | None) -> FusedStep | None:
