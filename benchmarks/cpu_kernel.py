@@ -3,7 +3,7 @@ engine scores: decode-log flushes (rows = layer x request, 32 queries each)
 and causal prefill chunks, SmolLM2-135M's heads (3 KV heads, GQA 3, D 64),
 block 32, in vLLM's bf16 cache layouts (`amx` on AMX CPUs, `vec` elsewhere).
 
-    python benchmarks/cpu_kernel.py [--threads 1] [--reps 5] [--md OUT.md]
+    python benchmarks/cpu_kernel.py [--threads 1] [--reps 5] [--dtype bf16] [--md OUT.md]
 
 Each cell is the median of --reps calls after one warm-up, ms; GMAC/s counts
 the logits' multiply-adds (queries x visible keys x D) only. Paths the CPU
@@ -21,7 +21,8 @@ For the prefill shapes, the fused pass (`attend_add_column_sums`: attention
 and H2O's column sums in one pass, what the engine runs for prompt chunks of
 requests that evict anyway; integration/fused_attention.py) against what it
 replaces, vLLM's attention plus the best scoring path. It reads vLLM's `vec`
-layout on AVX-512 BF16 CPUs only ("-" elsewhere, and for the flush shapes).
+layout (bf16: `vec` on AVX-512 BF16 CPUs, else the avx2 path; float32: the
+avx2 path; "-" for the flush shapes and on AMX CPUs, whose bf16 layout is `amx`).
 A second table times one layer of a decode step the same way: vLLM's
 attention plus the scoring kernel's share of a flush, against the pass
 (which reads a decode row's keys and values in place).
@@ -94,8 +95,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--dtype", choices=("bf16", "f32"), default="bf16",
+                   help="the model's and cache's dtype (f32: what AVX2-only CPUs run natively)")
     p.add_argument("--md", help="also write the table here")
     args = p.parse_args(argv)
+    args.torch_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     torch.set_num_threads(args.threads)
 
     from vllm import _custom_ops as ops
@@ -110,10 +114,13 @@ def main(argv=None) -> int:
         raise SystemExit(cpu_path())
     paths = [i for i in cpu_kernel.ISAS if mod.supports(i)]
     layout_isa = "amx" if torch.cpu._is_amx_tile_supported() else "vec"
-    layout = KVLayout.discover(ops.cpu_attn_reshape_and_cache, layout_isa, torch.bfloat16, BS, D, H)
+    dtype = args.torch_dtype
+    if dtype == torch.float32:  # the bf16 paths take bf16 caches only
+        layout_isa, paths = "vec", [i for i in paths if i == "avx2"]
+    layout = KVLayout.discover(ops.cpu_attn_reshape_and_cache, layout_isa, dtype, BS, D, H)
     gen = torch.Generator().manual_seed(0)
     nb = 4096
-    kv = torch.randn(nb, H, BS, 2 * D, generator=gen).bfloat16()
+    kv = torch.randn(nb, H, BS, 2 * D, generator=gen).to(dtype)
     kc, _ = layout.split(kv)
     vc = layout.split(kv)[1]
     cols = ["shape", "torch ms", *(f"{i} ms (x torch)" for i in paths), "best GMAC/s",
@@ -123,7 +130,7 @@ def main(argv=None) -> int:
     for name, r, nq, n, causal in SHAPES:
         nblk = -(-n // BS)
         rows = torch.stack([torch.randperm(nb, generator=gen)[:nblk] for _ in range(r)])
-        q = torch.randn(r, nq, H * G, D, generator=gen).bfloat16()
+        q = torch.randn(r, nq, H * G, D, generator=gen).to(dtype)
         vis = (torch.arange(n - nq + 1, n + 1).expand(r, nq) if causal
                else torch.full((r, nq), n)).contiguous()
         macs = int(vis.sum()) * H * G * D
@@ -136,8 +143,8 @@ def main(argv=None) -> int:
             cells.append(f"{t:.2f} ({t_torch / t:.1f}x)")
         t_attn = median_ms(vllm_attention(ops, layout_isa, q, kc, vc, rows, n, causal)[0], args.reps)
         fused = "- | -"
-        if causal and cpu_kernel.fuses_attention(layout, torch.bfloat16):
-            flat, out = q.reshape(r * nq, H * G, D), torch.empty(r * nq, H * G, D, dtype=torch.bfloat16)
+        if causal and cpu_kernel.fuses_attention(layout, dtype):
+            flat, out = q.reshape(r * nq, H * G, D), torch.empty(r * nq, H * G, D, dtype=dtype)
             acc = torch.zeros(H, nb * BS)
             starts, seq = torch.arange(0, (r + 1) * nq, nq), torch.full((r,), n)
             t_f = median_ms(lambda: cpu_kernel.attend_add_column_sums(
@@ -147,11 +154,12 @@ def main(argv=None) -> int:
         lines.append(f"| {name} | {t_torch:.2f} | " + " | ".join(cells) +
                      f" | {macs / best / 1e6:.0f} | {t_attn:.2f} | {best / t_attn:.2f} | {fused} |")
         print(lines[-1], file=sys.stderr, flush=True)
-    if cpu_kernel.fuses_attention(layout, torch.bfloat16):
+    if cpu_kernel.fuses_attention(layout, dtype):
         lines += decode_table(args, ops, cpu_kernel, layout, layout_isa, kc, vc, nb, gen, paths)
     head = [f"command: `{' '.join([os.path.relpath(sys.executable)] + sys.argv)}`  ",
             f"CPU: {platform.processor() or platform.machine()}, flags `{cpu_kernel.cpu_flags()}`"
-            f"; {args.threads} thread(s); vLLM cache layout `{layout_isa}`, bf16; "
+            f"; {args.threads} thread(s); vLLM cache layout `{layout_isa}`, {args.dtype}; "
+            f"fused pass: {cpu_kernel.fused_isa(dtype) or '-'}; "
             f"median of {args.reps}", ""]
     text = "\n".join(head + lines)
     print(text)
@@ -171,13 +179,13 @@ def decode_table(args, ops, cpu_kernel, layout, layout_isa, kc, vc, nb, gen, pat
     for name, r, n in DECODE_SHAPES:
         nblk = -(-n // BS)
         rows = torch.stack([torch.randperm(nb, generator=gen)[:nblk] for _ in range(r)])
-        q = torch.randn(r, 1, H * G, D, generator=gen).bfloat16()
+        q = torch.randn(r, 1, H * G, D, generator=gen).to(args.torch_dtype)
         t_attn = median_ms(vllm_attention(ops, layout_isa, q, kc, vc, rows, n, True)[0], args.reps)
-        qf = torch.randn(r, FLUSH, H * G, D, generator=gen).bfloat16()
+        qf = torch.randn(r, FLUSH, H * G, D, generator=gen).to(args.torch_dtype)
         vis = torch.full((r, FLUSH), n)
         t_score = min(median_ms(lambda: cpu_kernel.column_sums(layout, kc, qf, vis, rows, 0.125, isa),
                                 args.reps) for isa in paths) / FLUSH
-        out, acc = torch.empty(r, H * G, D, dtype=torch.bfloat16), torch.zeros(H, nb * BS)
+        out, acc = torch.empty(r, H * G, D, dtype=args.torch_dtype), torch.zeros(H, nb * BS)
         starts, seq = torch.arange(r + 1), torch.full((r,), n)
         t_f = median_ms(lambda: cpu_kernel.attend_add_column_sums(
             out, layout, kc, vc, q[:, 0], starts, seq, rows, torch.ones(r, dtype=torch.bool),

@@ -35,7 +35,8 @@ from vllm_kvevict.core.config.env import env_choice
 NAME = "vllm_kvevict_cpu_scores"
 SOURCE = Path(__file__).with_name("column_sums.cpp")
 HEADERS = [Path(__file__).with_name(h)  # included by SOURCE
-           for h in ("token_moves.h", "window_projection.h", "fused_attention.h")]
+           for h in ("token_moves.h", "window_projection.h", "fused_attention.h",
+                     "fused_attention_avx2.h")]
 # -fopenmp: at::parallel_for is a header template that runs its tasks on one
 # thread unless the caller is compiled with OpenMP. Linked against libgomp.so.1,
 # the one torch already loaded (same soname), so the kernel shares torch's
@@ -230,22 +231,36 @@ def window_projection_paged(layout, key_cache: torch.Tensor, value_cache: torch.
                                             path_isa, bool(split))
 
 
+def fused_isa(dtype: torch.dtype) -> str | None:
+    """The path `attend_add_column_sums` takes for a model and cache of
+    `dtype`: ``avx512bf16`` for bf16 where this process's path (`isa()`) has
+    AVX-512 BF16, else ``avx2`` for bf16 or float32 (float32 FMA, bf16 widened
+    exactly); None where the kernel is not built or for any other dtype."""
+    path = isa()
+    if path in ("amx", "avx512bf16") and dtype == torch.bfloat16:
+        return "avx512bf16"
+    if path is not None and dtype in (torch.bfloat16, torch.float32) and module().supports("avx2"):
+        return "avx2"
+    return None
+
+
 def fused_pass_runs(dtype: torch.dtype, head_size: int, block_size: int) -> bool:
-    """Whether `attend_add_column_sums` runs here for these shapes: the kernel
-    built, a CPU with AVX-512 BF16, a bf16 cache, head size a multiple of 16
-    up to 128, block size a multiple of 16 (the layout: `fuses_attention`)."""
-    mod = module()
-    return (mod is not None and mod.supports("avx512bf16") and dtype == torch.bfloat16
-            and head_size % 16 == 0 and head_size <= 128 and block_size % 16 == 0)
+    """Whether `attend_add_column_sums` runs here for these shapes: a path
+    for the dtype (`fused_isa`), head size a multiple of 16 up to 128, block
+    size a multiple of 16 (the layout: `fuses_attention`)."""
+    return (fused_isa(dtype) is not None and head_size % 16 == 0 and head_size <= 128
+            and block_size % 16 == 0)
 
 
 def fuses_attention(layout, dtype: torch.dtype) -> bool:
     """Whether `attend_add_column_sums` reads this cache: `fused_pass_runs`,
-    and values as vLLM's vec layouts keep them (a token's dims contiguous)."""
+    and vLLM's vec layouts (keys [D][BS]: a dim's tokens contiguous; values
+    [BS][D]: a token's dims contiguous, per block and head)."""
     d, bs = layout.head_size, layout.block_size
-    return (fused_pass_runs(dtype, d, bs) and layout.k_tiles is not None
-            and layout.v_tiles is not None and tuple(layout.v_tiles[:3]) == (bs, d, 0)
-            and layout.v_tiles[4] == d and layout.v_tiles[6] == 1)
+    kt, vt = layout.k_tiles, layout.v_tiles
+    return (fused_pass_runs(dtype, d, bs) and kt is not None and vt is not None
+            and (kt[0], kt[1], kt[2], kt[4], kt[6]) == (bs, d, 0, 1, bs)
+            and (vt[0], vt[1], vt[2], vt[4], vt[6]) == (bs, d, 0, d, 1))
 
 
 def attend_add_column_sums(out: torch.Tensor, layout, key_cache: torch.Tensor,
@@ -256,12 +271,15 @@ def attend_add_column_sums(out: torch.Tensor, layout, key_cache: torch.Tensor,
     of the rows in `score_rows` added into `scores`, in one pass over the paged
     cache (fused_attention.h; `fuses_attention` says where it runs).
 
-    out, query: (N, H_q, D) bf16 (out contiguous); key_cache / value_cache
-    [NB, H, BS, D] (KVLayout.split); starts (R + 1,) and seq (R,): each row's
+    out, query: (N, H_q, D), the cache's dtype (out contiguous); key_cache /
+    value_cache [NB, H, BS, D] (KVLayout.split), bf16 or float32 (`fused_isa`); starts (R + 1,) and seq (R,): each row's
     queries and physical length (vLLM's query_start_loc and seq_lens); blocks
     (R, nblk) its block table; score_rows (R,) bool; scores (H, NB * BS)
     float32, added at each scored row's slots (rows must not share blocks)."""
+    path = fused_isa(key_cache.dtype)
+    if path is None:
+        raise RuntimeError(f"the fused pass has no path here for a {key_cache.dtype} cache")
     module().attend_add_column_sums(out, query, key_cache, value_cache, starts.long().contiguous(),
                                     seq.long().contiguous(), blocks.long().contiguous(),
                                     score_rows.bool().contiguous(), float(scale),
-                                    list(layout.k_tiles), list(layout.v_tiles), scores)
+                                    list(layout.k_tiles), list(layout.v_tiles), scores, path)

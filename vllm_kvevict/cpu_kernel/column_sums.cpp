@@ -798,7 +798,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "AnDPro's window scores with K and V read in place from the paged CPU cache");
   m.def("attend_add_column_sums", &attend_add_column_sums,
         "causal attention from the paged CPU cache into out, and H2O's column sums of the scored "
-        "rows added into scores, in one pass (AVX-512 BF16)");
+        "rows added into scores, in one pass (avx512bf16: bf16; avx2: bf16 or float32)");
   m.def("parallel_threads", &parallel_threads,
         "threads the kernel's tasks run on (torch's intra-op count; 1 without OpenMP)");
   m.def("supports", &supports, "whether this CPU runs the named path (avx512bf16 | avx2)");

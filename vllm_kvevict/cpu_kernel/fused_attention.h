@@ -22,6 +22,10 @@
 // kernel reads a decode's cache once (decode steps: 0.6-1.0x the time of
 // vLLM's attention, which computes no scores).
 //
+// On CPUs without AVX-512 BF16, and for float32 models, the same pass runs
+// on AVX2 + FMA (fused_attention_avx2.h: float32 arithmetic, keys and values
+// read in place for every row); the tasks and their merge below serve both.
+//
 // Work: tasks (r, h, split), a (row, KV head)'s query rows in blocks of ROWS
 // interleaved over its splits (causal rows balance), sized by their logits
 // and pulled by the threads from a shared counter, largest first. A task packs
@@ -29,9 +33,6 @@
 // logits tile, exps in place, column sums, P V. Values must lie as vLLM's vec
 // layouts keep them, a token's D dims contiguous ([BS][D] per block and head).
 #include <atomic>
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
 
 namespace fused {
 
@@ -61,6 +62,13 @@ void task_rows(const Batch& b, const Task& t, std::vector<int64_t>& tok, std::ve
       vis.push_back(past + 1 + i);
     }
 }
+
+}  // namespace fused
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
+
+namespace fused {
 
 // Values [0, n) of (r, h) widened to float32, [n][D].
 void widen_values(const at::Tensor& vc, const Batch& b, int64_t r, int64_t h, int64_t n, float* out) {
@@ -305,23 +313,31 @@ void run_task(const Work& w, const at::Tensor& vc, const Batch& b, const Task& t
 
 #pragma GCC pop_options
 
-// See the file's head. out, q: (N, H_q, D) bf16 (q strided by token and head,
-// out contiguous); key_cache / value_cache [NB, H, BS, D] bf16 views
-// (KVLayout.split); starts (R + 1,), seq (R,), blocks (R, nblk), all int64;
-// score_rows (R,) bool; scores (H, NB * BS) float32, slots contiguous.
+#include "fused_attention_avx2.h"
+
+// See the file's head. out, q: (N, H_q, D), the cache's dtype (q strided by
+// token and head, out contiguous); key_cache / value_cache [NB, H, BS, D]
+// views (KVLayout.split): bf16 on the avx512bf16 path, bf16 or float32 on
+// avx2; starts (R + 1,), seq (R,), blocks (R, nblk), all int64; score_rows
+// (R,) bool; scores (H, NB * BS) float32, slots contiguous.
 void attend_add_column_sums(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& starts,
                             const at::Tensor& seq, const at::Tensor& blocks,
                             const at::Tensor& score_rows, double scale, std::vector<int64_t> k_tiles,
-                            std::vector<int64_t> v_tiles, at::Tensor scores) {
-  TORCH_CHECK(has_avx512bf16(), "the fused attention pass needs AVX-512 BF16");
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.stride(2) == 1,
-              "q: (N, H_q, D) bf16, dims contiguous");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kBFloat16 && out.is_contiguous(),
-              "out: contiguous, q's shape, bf16");
+                            std::vector<int64_t> v_tiles, at::Tensor scores, const std::string& isa) {
+  const bool avx2 = isa == "avx2";
+  TORCH_CHECK(avx2 || isa == "avx512bf16", "the fused pass runs avx512bf16 or avx2, not ", isa);
+  TORCH_CHECK(supports(isa), "this CPU cannot run the fused pass's ", isa, " path");
+  const at::ScalarType dt = key_cache.scalar_type();
+  TORCH_CHECK(dt == at::kBFloat16 || (avx2 && dt == at::kFloat),
+              "the ", isa, " pass takes a ", avx2 ? "bf16 or float32" : "bf16", " cache");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == dt && q.stride(2) == 1,
+              "q: (N, H_q, D), the cache's dtype, dims contiguous");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == dt && out.is_contiguous(),
+              "out: contiguous, q's shape and dtype");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
-                  key_cache.scalar_type() == at::kBFloat16 && value_cache.scalar_type() == at::kBFloat16,
-              "key_cache, value_cache: [NB, H, BS, D] bf16");
+                  value_cache.scalar_type() == dt,
+              "key_cache, value_cache: [NB, H, BS, D], one dtype");
   const int64_t n = q.size(0), hq = q.size(1), d = q.size(2), h = key_cache.size(1),
                 bs = key_cache.size(2), r = seq.size(0), nblk = blocks.size(1);
   TORCH_CHECK(key_cache.size(3) == d && hq % h == 0 && d % 16 == 0 && d <= 128,
@@ -330,6 +346,9 @@ void attend_add_column_sums(at::Tensor out, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(k_tiles.size() == 7 && v_tiles.size() == 7, "tiles: (T0, D0, base, st1, st0, sd1, sd0)");
   TORCH_CHECK(v_tiles[0] == bs && v_tiles[1] == d && v_tiles[2] == 0 && v_tiles[4] == d && v_tiles[6] == 1,
               "values: a token's dims contiguous, [BS][D] per block and head (vLLM's vec layouts)");
+  TORCH_CHECK(!avx2 || (k_tiles[0] == bs && k_tiles[1] == d && k_tiles[2] == 0 && k_tiles[4] == 1 &&
+                        k_tiles[6] == bs),
+              "keys: a dim's tokens contiguous, [D][BS] per block and head (vLLM's vec layouts)");
   for (const at::Tensor* x : {&starts, &seq, &blocks})
     TORCH_CHECK(x->scalar_type() == at::kLong && x->is_contiguous(), "starts, seq, blocks: contiguous int64");
   TORCH_CHECK(starts.numel() == r + 1 && blocks.size(0) == r && score_rows.numel() == r &&
@@ -381,14 +400,25 @@ void attend_add_column_sums(at::Tensor out, const at::Tensor& q, const at::Tenso
   std::stable_sort(tasks.begin(), tasks.end(),
                    [](const fused::Task& a, const fused::Task& c) { return a.work > c.work; });
   std::vector<float> colbuf(cols, 0.0f);
-  const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   std::atomic<size_t> next{0};
+  auto col_of = [&](const fused::Task& t) { return t.col < 0 ? nullptr : colbuf.data() + t.col; };
   at::parallel_for(0, std::min<int64_t>(threads, tasks.size()), 1, [&](int64_t, int64_t) {
-    fused::Scratch s;
-    for (size_t i = next++; i < tasks.size(); i = next++) {
-      const fused::Task& t = tasks[i];
-      fused::run_task(w, value_cache, b, t, qd, od, t.col < 0 ? nullptr : colbuf.data() + t.col, s);
+    if (!avx2) {
+      const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+      uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+      fused::Scratch s;
+      for (size_t i = next++; i < tasks.size(); i = next++)
+        fused::run_task(w, value_cache, b, tasks[i], qd, od, col_of(tasks[i]), s);
+    } else if (dt == at::kBFloat16) {
+      fused256::Scratch s;
+      for (size_t i = next++; i < tasks.size(); i = next++)
+        fused256::run_task<at::BFloat16>(w, value_cache, b, tasks[i], q.data_ptr<at::BFloat16>(),
+                                         out.data_ptr<at::BFloat16>(), col_of(tasks[i]), s);
+    } else {
+      fused256::Scratch s;
+      for (size_t i = next++; i < tasks.size(); i = next++)
+        fused256::run_task<float>(w, value_cache, b, tasks[i], q.data_ptr<float>(), out.data_ptr<float>(),
+                                  col_of(tasks[i]), s);
     }
   });
   // Each scored (row, head): its splits' sums, added into its slots (rows

@@ -27,8 +27,10 @@ neither does any step they are in.
 Decided once per step by the metadata builder (`wanted`, then `plan`), for
 all its layers:
   - the recorder is H2O's and no request holds private (shared-block) scores;
-  - vLLM runs its vec / vec16 CPU attention on a bf16 model and cache, with
-    no sliding window, ALiBi, soft-cap or sinks (the backend refuses those);
+  - vLLM runs its vec / vec16 CPU attention on a bf16 or float32 model and
+    cache (`cpu_kernel.fused_isa`: AVX-512 BF16 for bf16 where the CPU has it,
+    else AVX2 + FMA), with no sliding window, ALiBi, soft-cap or sinks (the
+    backend refuses those);
   - some row of the step is scored;
   - VLLM_KVEVICT_CPU_FUSED is `on` (the default; `off` keeps vLLM's
     attention everywhere, for comparisons).
@@ -62,8 +64,8 @@ def enabled() -> bool:
 
 def reads(builder) -> bool:
     """Whether the pass reads the caches of this builder's layers: vLLM's
-    vec / vec16 layouts of a bf16 model and cache, head sizes the kernel
-    takes, a CPU with AVX-512 BF16, and the pass switched on."""
+    vec / vec16 layouts of a bf16 or float32 model and cache, head sizes the
+    kernel takes, a path for the dtype on this CPU, and the pass switched on."""
     return (builder.isa in ("vec", "vec16") and builder.kv_cache_dtype == "auto"
             and cpu_kernel.fused_pass_runs(builder.dtype, builder.head_dim, builder.block_size)
             and enabled())
