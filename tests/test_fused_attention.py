@@ -220,3 +220,24 @@ def test_fused_pass_refuses_a_layout_it_cannot_read(path):
         cpu_kernel.attend_add_column_sums(torch.empty_like(q), layout, kc, vc, q, torch.tensor([0, 1]),
                                           torch.tensor([1]), torch.tensor([[0]]),
                                           torch.tensor([True]), 0.125, torch.zeros(h, 4 * bs))
+
+
+def test_fused_path_follows_the_cpu_and_the_switches(monkeypatch):
+    """`cpu_kernel.fused_isa`: bf16 takes AVX-512 BF16 where the CPU has it,
+    else AVX2; float32 takes AVX2; other dtypes have no path.
+    VLLM_KVEVICT_CPU_ISA=avx2 forces AVX2, VLLM_KVEVICT_KERNELS=torch turns
+    the pass off with the rest of the kernel."""
+    mod = cpu_kernel.module()
+    if mod is None:
+        pytest.skip("the kernel is not built (scripts/setup.sh builds it)")
+    monkeypatch.delenv("VLLM_KVEVICT_CPU_ISA", raising=False)
+    monkeypatch.delenv("VLLM_KVEVICT_KERNELS", raising=False)
+    assert cpu_kernel.fused_isa(torch.bfloat16) == ("avx512bf16" if mod.supports("avx512bf16") else "avx2")
+    assert cpu_kernel.fused_isa(torch.float32) == "avx2"
+    assert cpu_kernel.fused_isa(torch.float16) is None
+    assert cpu_kernel.fused_pass_runs(torch.float32, 64, 32) and not cpu_kernel.fused_pass_runs(torch.float32, 72, 32)
+    monkeypatch.setenv("VLLM_KVEVICT_CPU_ISA", "avx2")
+    assert cpu_kernel.fused_isa(torch.bfloat16) == "avx2"
+    monkeypatch.setenv("VLLM_KVEVICT_KERNELS", "torch")
+    assert cpu_kernel.fused_isa(torch.bfloat16) is None and cpu_kernel.fused_isa(torch.float32) is None
+    assert not cpu_kernel.fused_pass_runs(torch.float32, 64, 32)
