@@ -225,19 +225,25 @@ def test_fused_pass_refuses_a_layout_it_cannot_read(path):
 def test_fused_path_follows_the_cpu_and_the_switches(monkeypatch):
     """`cpu_kernel.fused_isa`: bf16 takes AVX-512 BF16 where the CPU has it,
     else AVX2; float32 takes AVX2; other dtypes have no path.
-    VLLM_KVEVICT_CPU_ISA=avx2 forces AVX2, VLLM_KVEVICT_KERNELS=torch turns
-    the pass off with the rest of the kernel."""
+    VLLM_KVEVICT_CPU_ISA=avx2 forces AVX2; the engine's switch
+    (`fused_attention.enabled`) is off under VLLM_KVEVICT_CPU_FUSED=off and
+    under VLLM_KVEVICT_KERNELS=torch, which turns the whole kernel off."""
+    from vllm_kvevict.integration import fused_attention
+
     mod = cpu_kernel.module()
     if mod is None:
         pytest.skip("the kernel is not built (scripts/setup.sh builds it)")
-    monkeypatch.delenv("VLLM_KVEVICT_CPU_ISA", raising=False)
-    monkeypatch.delenv("VLLM_KVEVICT_KERNELS", raising=False)
+    for var in ("VLLM_KVEVICT_CPU_ISA", "VLLM_KVEVICT_KERNELS", "VLLM_KVEVICT_CPU_FUSED"):
+        monkeypatch.delenv(var, raising=False)
     assert cpu_kernel.fused_isa(torch.bfloat16) == ("avx512bf16" if mod.supports("avx512bf16") else "avx2")
     assert cpu_kernel.fused_isa(torch.float32) == "avx2"
     assert cpu_kernel.fused_isa(torch.float16) is None
     assert cpu_kernel.fused_pass_runs(torch.float32, 64, 32) and not cpu_kernel.fused_pass_runs(torch.float32, 72, 32)
+    assert fused_attention.enabled()
     monkeypatch.setenv("VLLM_KVEVICT_CPU_ISA", "avx2")
     assert cpu_kernel.fused_isa(torch.bfloat16) == "avx2"
+    monkeypatch.setenv("VLLM_KVEVICT_CPU_FUSED", "off")
+    assert not fused_attention.enabled()
+    monkeypatch.setenv("VLLM_KVEVICT_CPU_FUSED", "on")
     monkeypatch.setenv("VLLM_KVEVICT_KERNELS", "torch")
-    assert cpu_kernel.fused_isa(torch.bfloat16) is None and cpu_kernel.fused_isa(torch.float32) is None
-    assert not cpu_kernel.fused_pass_runs(torch.float32, 64, 32)
+    assert not fused_attention.enabled()

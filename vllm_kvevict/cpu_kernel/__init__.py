@@ -235,12 +235,9 @@ def fused_isa(dtype: torch.dtype) -> str | None:
     """The path `attend_add_column_sums` takes for a model and cache of
     `dtype`: ``avx512bf16`` for bf16 where this process's path (`isa()`) has
     AVX-512 BF16, else ``avx2`` for bf16 or float32 (float32 FMA, bf16 widened
-    exactly); None where the kernel is not built or is turned off
-    (VLLM_KVEVICT_KERNELS=torch), or for any other dtype."""
-    from vllm_kvevict.core.eviction import kernel_dispatch
-
-    if kernel_dispatch.mode() == "torch":
-        return None
+    exactly); None where the kernel is not built or for any other dtype.
+    (VLLM_KVEVICT_KERNELS=torch turns the pass off in the engine:
+    integration/fused_attention.enabled.)"""
     path = isa()
     if path in ("amx", "avx512bf16") and dtype == torch.bfloat16:
         return "avx512bf16"

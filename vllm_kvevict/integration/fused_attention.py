@@ -44,6 +44,7 @@ import torch
 
 from vllm_kvevict import cpu_kernel
 from vllm_kvevict.core.config.env import env_choice
+from vllm_kvevict.core.eviction import kernel_dispatch
 from vllm_kvevict.integration.worker import worker_state
 
 FUSED_ATTR = "kvevict_fused"  # a FusedStep on the step's attention metadata, or None
@@ -58,8 +59,10 @@ class FusedStep(NamedTuple):
 
 
 def enabled() -> bool:
-    """VLLM_KVEVICT_CPU_FUSED: on (default) or off."""
-    return env_choice("VLLM_KVEVICT_CPU_FUSED", ("on", "off")) == "on"
+    """VLLM_KVEVICT_CPU_FUSED on (the default; or off), and the compiled kernel
+    not turned off (VLLM_KVEVICT_KERNELS=torch turns the pass off with it)."""
+    return (env_choice("VLLM_KVEVICT_CPU_FUSED", ("on", "off")) == "on"
+            and kernel_dispatch.mode() != "torch")
 
 
 def reads(builder) -> bool:
