@@ -238,7 +238,8 @@ def test_fused_path_follows_the_cpu_and_the_switches(monkeypatch):
     assert cpu_kernel.fused_isa(torch.bfloat16) == ("avx512bf16" if mod.supports("avx512bf16") else "avx2")
     assert cpu_kernel.fused_isa(torch.float32) == "avx2"
     assert cpu_kernel.fused_isa(torch.float16) is None
-    assert cpu_kernel.fused_pass_runs(torch.float32, 64, 32) and not cpu_kernel.fused_pass_runs(torch.float32, 72, 32)
+    assert cpu_kernel.fused_pass_runs(torch.float32, 64, 32)
+    assert not cpu_kernel.fused_pass_runs(torch.float32, 72, 32)  # head size not a multiple of 16
     assert fused_attention.enabled()
     monkeypatch.setenv("VLLM_KVEVICT_CPU_ISA", "avx2")
     assert cpu_kernel.fused_isa(torch.bfloat16) == "avx2"

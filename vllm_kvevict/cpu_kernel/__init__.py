@@ -274,9 +274,10 @@ def attend_add_column_sums(out: torch.Tensor, layout, key_cache: torch.Tensor,
     cache (fused_attention.h; `fuses_attention` says where it runs).
 
     out, query: (N, H_q, D), the cache's dtype (out contiguous); key_cache /
-    value_cache [NB, H, BS, D] (KVLayout.split), bf16 or float32 (`fused_isa`); starts (R + 1,) and seq (R,): each row's
-    queries and physical length (vLLM's query_start_loc and seq_lens); blocks
-    (R, nblk) its block table; score_rows (R,) bool; scores (H, NB * BS)
+    value_cache [NB, H, BS, D] (KVLayout.split), bf16 or float32 (`fused_isa`);
+    starts (R + 1,) and seq (R,): each row's queries and physical length
+    (vLLM's query_start_loc and seq_lens); blocks (R, nblk) its block table;
+    score_rows (R,) bool; scores (H, NB * BS)
     float32, added at each scored row's slots (rows must not share blocks)."""
     path = fused_isa(key_cache.dtype)
     if path is None:
