@@ -537,14 +537,17 @@ float exp_row_256(float* l, int64_t vis) {
   return 1.0f / sum;
 }
 
-void softmax_into_256(float* l, int64_t vis, float* col) {
+// col[i] += l[i] * inv over [0, vis): one row of exps, normalised, into the
+// column sums. Shared with fused_attention_avx2.h.
+void add_row_256(const float* l, int64_t vis, float inv, float* col) {
   const int64_t full = vis / 8 * 8;
-  const float inv = exp_row_256(l, vis);
   const __m256 vinv = _mm256_set1_ps(inv);
   for (int64_t i = 0; i < full; i += 8)
     _mm256_storeu_ps(col + i, _mm256_fmadd_ps(_mm256_loadu_ps(l + i), vinv, _mm256_loadu_ps(col + i)));
   for (int64_t i = full; i < vis; ++i) col[i] += l[i] * inv;
 }
+
+void softmax_into_256(float* l, int64_t vis, float* col) { add_row_256(l, vis, exp_row_256(l, vis), col); }
 
 // Rows [j0, j0 + 4) of x (ROWS x D) against 16 packed keys (two [D][8] chunks
 // at kc): z0[j] keys 0-7, z1[j] keys 8-15. Four rows by sixteen keys: per

@@ -144,13 +144,7 @@ void run_task(const Work& w, const at::Tensor& vc, const fused::Batch& b, const 
       float* row = l + j * hi;
       inv[j] = exp_row_256(row, vis[j]);
       std::fill(row + vis[j], row + hi, 0.0f);  // P V reads up to the block's widest row
-      if (col != nullptr) {
-        const __m256 vinv = _mm256_set1_ps(inv[j]);
-        const int64_t full = vis[j] / 8 * 8;
-        for (int64_t i = 0; i < full; i += 8)
-          _mm256_storeu_ps(col + i, _mm256_fmadd_ps(_mm256_loadu_ps(row + i), vinv, _mm256_loadu_ps(col + i)));
-        for (int64_t i = full; i < vis[j]; ++i) col[i] += row[i] * inv[j];
-      }
+      if (col != nullptr) add_row_256(row, vis[j], inv[j], col);
     }
     pv_rows<T>(vc, b, t.r, t.h, l, hi, vis, inv, dst, nb);
   }
