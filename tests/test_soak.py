@@ -1,7 +1,11 @@
 """A short run of the soak (`python -m vllm_kvevict.eval.soak`, the full one is
 2,400 requests) against real servers: per-request budgets, client
-cancellations, preemption, prompt modules with schemas added and removed
-beside the load. After each phase vLLM's own accounting must show the pool
+cancellations, prompt modules with schemas added and removed
+beside the load. A short pool makes vLLM preempt now and then (2-4 times in
+the modules phase's 40 requests here, none in one CI run: admission reserves a
+request's budget plus a chunk, so preemption is rare by design); the tests that
+force it are test_engine.py's and test_prompt_modules_engines.py's preemption
+cases. After each phase vLLM's own accounting must show the pool
 whole (pinned module blocks aside, then none once the schema is removed), no
 response may carry another request's code word, nothing may fail, and the
 engine core must be the one the phase started with."""
@@ -28,7 +32,7 @@ def modules_server(model_path):
         yield srv
 
 
-def test_modules_phase_with_schema_churn_and_preemption(modules_server):
+def test_modules_phase_with_schema_churn_on_a_short_pool(modules_server):
     schema = soak.register_schema(modules_server, "soak", 4)
     reqs = soak.make_requests(40, 128, cancel=0.15, seed=4, schema=schema)
     row = soak.run_phase("modules", modules_server, reqs, wave=20, churn_seed=4)
@@ -36,5 +40,5 @@ def test_modules_phase_with_schema_churn_and_preemption(modules_server):
     assert soak.checks(row) == [], row
     assert row["kv_usage_start"] > 0  # the pinned module blocks were counted
     assert row["pml"] > 0 and row["churn"]["registered"] >= 1, row
-    assert row["preemptions"] > 0, row  # the pool really was short
+    assert row["tokens_evicted"] > 0, row  # snapkv really compacted the importers
     assert row["kv_usage_after_removal"] == 0, row
