@@ -2,6 +2,8 @@
 import sys
 import time
 
+import torch
+
 from vllm_kvevict import cpu_kernel
 from vllm_kvevict.core.eviction.kernel_dispatch import cpu_path
 
@@ -16,7 +18,13 @@ def main(argv: list[str]) -> int:
         print(f"CPU scoring kernel {what} ({cpu_kernel.build_dir()}); path: {cpu_path()}")
         return 0
     if cmd == "info":
-        print(cpu_path())
+        path = cpu_path()
+        print(path)
+        # The fused attention + H2O pass per model dtype (none: vLLM's
+        # attention and the scoring kernel run apart).
+        paths = {name: None if path.startswith("torch") else cpu_kernel.fused_isa(dtype)
+                 for name, dtype in (("bf16", torch.bfloat16), ("float32", torch.float32))}
+        print("fused attention + H2O: " + ", ".join(f"{n} {p or 'none'}" for n, p in paths.items()))
         return 0
     print(__doc__, file=sys.stderr)
     return 2
