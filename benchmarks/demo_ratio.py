@@ -36,6 +36,8 @@ import time
 from common import RESULT_MARKER
 from interleave import SETTLE_S, StepClock, run_interleaved
 
+from vllm_kvevict.models import DTYPES, resolve_dtype
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = ("import json, sys; sys.path.insert(0, sys.argv[3]); "
          "from vllm_kvevict.demo import run, parse_args; from interleave import StepClock; "
@@ -79,13 +81,11 @@ def main(argv=None) -> int:
     p.add_argument("--settle-ms", type=float, default=SETTLE_S * 1e3,
                    help="interleaved: pause before each engine's turn (ms), so the last "
                         "engine's OpenMP threads stop spinning first")
-    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="the model's (auto: the demo's, bf16 with avx512_bf16, else float32)")
     p.add_argument("--md", help="also write the table here")
     args = p.parse_args(argv)
-    from vllm_kvevict.models import native_dtype
-
-    dtype = native_dtype() if args.dtype == "auto" else args.dtype
+    dtype = resolve_dtype(args.dtype)
     from vllm_kvevict import cpu_kernel
     from vllm_kvevict.core.eviction.kernel_dispatch import cpu_path
 

@@ -27,7 +27,8 @@ import pytest
 import torch
 
 from vllm_kvevict.inprocess import close, freeze
-from vllm_kvevict.eval.server import kv_pool_bytes, native_dtype
+from vllm_kvevict.eval.server import kv_pool_bytes
+from vllm_kvevict.models import native_dtype
 
 # The suite runs on pytest-xdist workers (pyproject: `-n auto`, at most one
 # per core, see pytest_xdist_auto_num_workers), each with its share of the

@@ -206,13 +206,15 @@ def test_a_second_build_reuses_the_first():
     assert "already built" in out.stdout
 
 
-@pytest.mark.parametrize("env", [{}, {"VLLM_KVEVICT_KERNELS": "torch"}], ids=["auto", "torch"])
+@pytest.mark.parametrize("env", [{}, {"VLLM_KVEVICT_KERNELS": "torch"}, {"VLLM_KVEVICT_CPU_FUSED": "off"}],
+                         ids=["auto", "torch", "fused-off"])
 def test_info_names_the_scoring_and_fused_paths(env):
     out = subprocess.run([sys.executable, "-m", "vllm_kvevict.cpu_kernel", "info"],
                          capture_output=True, text=True, check=True, timeout=120,
                          env={**os.environ, **env}).stdout.splitlines()
     off = bool(env) or cpu_path().startswith("torch")
-    assert out[0] == ("torch (VLLM_KVEVICT_KERNELS=torch)" if env else cpu_path())
+    torch_only = "VLLM_KVEVICT_KERNELS" in env
+    assert out[0] == ("torch (VLLM_KVEVICT_KERNELS=torch)" if torch_only else cpu_path())
     want = {d: None if off else cpu_kernel.fused_isa(t)
             for d, t in (("bf16", torch.bfloat16), ("float32", torch.float32))}
     assert out[1] == "fused attention + H2O: " + ", ".join(f"{d} {p or 'none'}" for d, p in want.items())

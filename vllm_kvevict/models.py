@@ -49,6 +49,14 @@ def native_dtype() -> str:
     return "bfloat16" if torch.cpu._is_avx512_bf16_supported() else "float32"
 
 
+DTYPES = ("auto", "bfloat16", "float32")  # the main job's --dtype choices
+
+
+def resolve_dtype(name: str) -> str:
+    """One of DTYPES with "auto" replaced by `native_dtype()`."""
+    return native_dtype() if name == "auto" else name
+
+
 def default_model_dir() -> Path:
     """Directory holding converted models.
 

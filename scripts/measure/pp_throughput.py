@@ -43,7 +43,7 @@ def one(cfg: dict, args) -> dict:
     """In this process: build the engine, generate, report."""
     from vllm import LLM, SamplingParams
 
-    from vllm_kvevict.eval.server import native_dtype
+    from vllm_kvevict.models import native_dtype
     from vllm_kvevict.models import ensure_smollm2
 
     model = ensure_smollm2()

@@ -6,6 +6,7 @@ import torch
 
 from vllm_kvevict import cpu_kernel
 from vllm_kvevict.core.eviction.kernel_dispatch import cpu_path
+from vllm_kvevict.integration import fused_attention
 
 
 def main(argv: list[str]) -> int:
@@ -18,11 +19,11 @@ def main(argv: list[str]) -> int:
         print(f"CPU scoring kernel {what} ({cpu_kernel.build_dir()}); path: {cpu_path()}")
         return 0
     if cmd == "info":
-        path = cpu_path()
-        print(path)
-        # The fused attention + H2O pass per model dtype (none: vLLM's
-        # attention and the scoring kernel run apart).
-        paths = {name: None if path.startswith("torch") else cpu_kernel.fused_isa(dtype)
+        print(cpu_path())
+        # The fused attention + H2O pass per model dtype, as the engine decides
+        # it (none: vLLM's attention and the scoring kernel run apart).
+        on = fused_attention.enabled()
+        paths = {name: cpu_kernel.fused_isa(dtype) if on else None
                  for name, dtype in (("bf16", torch.bfloat16), ("float32", torch.float32))}
         print("fused attention + H2O: " + ", ".join(f"{n} {p or 'none'}" for n, p in paths.items()))
         return 0

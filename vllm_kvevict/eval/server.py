@@ -22,7 +22,7 @@ import time
 
 import requests
 
-from vllm_kvevict.models import native_dtype  # noqa: F401 (the suite's and soak's dtype)
+from vllm_kvevict.models import native_dtype
 
 
 def kv_pool_bytes(dtype: str) -> int:

@@ -33,7 +33,8 @@ import aiohttp
 import requests
 
 from vllm_kvevict.eval import load
-from vllm_kvevict.eval.server import Server, kv_pool_bytes, native_dtype
+from vllm_kvevict.eval.server import Server, kv_pool_bytes
+from vllm_kvevict.models import native_dtype
 
 BLOCK = 32  # DEFAULT_ARGS' --block-size: the smallest per-request budget
 # Pool short: a quarter of the tests' pool, about 1,000 SmolLM2 tokens, for up to
