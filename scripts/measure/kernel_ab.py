@@ -14,7 +14,10 @@ the last column. The cases, each through the public entry points:
 - flush: one H2O decode-log flush of the demo's shape (flush_timing.py);
 - chunk N: one N-token first prefill chunk in all 30 layers (chunk_timing.py);
 - andpro n / snapkv n: the window scores of one compaction, 30 layers (B = 30),
-  3 KV heads, GQA 3, D 64, w 32, bf16 (benchmarks/window_scores_cpu.py's shape).
+  3 KV heads, GQA 3, D 64, w 32, bf16 (benchmarks/window_scores_cpu.py's shape);
+- with --fused, the fused attention + H2O pass (`attend_add_column_sums`), one
+  layer, on vLLM's vec cache in float32 and bf16: a 2,048-token causal chunk
+  and a decode step of 16 rows at 2,000 keys (benchmarks/cpu_kernel.py's shapes).
 
 Prints a markdown table of median ms, and whether every build's output equals
 the first's bit for bit (or its largest relative difference).
@@ -73,6 +76,28 @@ def window_case(kind: str, n: int, isa: str):
     return lambda: cpu_kernel.window_column_sums(q, k, 0.125, isa)
 
 
+def fused_case(dtype: torch.dtype, r: int, nq: int, n: int):
+    """One layer of the fused pass: r rows of nq causal queries (nq = 1: a
+    decode step) over n keys, SmolLM2's heads (3 KV, GQA 3, D 64), block 32."""
+    from vllm import _custom_ops as ops
+
+    from vllm_kvevict.core.layouts.cpu_layout import KVLayout
+
+    h, g, d, bs, nb = 3, 3, 64, 32, 1024
+    layout = KVLayout.discover(ops.cpu_attn_reshape_and_cache, "vec", dtype, bs, d, h)
+    gen = torch.Generator().manual_seed(n)
+    kc, vc = layout.split(torch.randn(nb, h, bs, 2 * d, generator=gen).to(dtype))
+    rows = torch.stack([torch.randperm(nb, generator=gen)[:-(-n // bs)] for _ in range(r)])
+    q = torch.randn(r * nq, h * g, d, generator=gen).to(dtype)
+    starts, seq, scored = torch.arange(0, (r + 1) * nq, nq), torch.full((r,), n), torch.ones(r, dtype=torch.bool)
+
+    def run():
+        out, acc = torch.empty_like(q), torch.zeros(h, nb * bs)
+        cpu_kernel.attend_add_column_sums(out, layout, kc, vc, q, starts, seq, rows, scored, 0.125, acc)
+        return torch.cat([out.float().flatten(), acc.flatten()])
+    return run
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("revs", nargs="+")
@@ -80,6 +105,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, nargs="*", default=[1024])
     p.add_argument("--n", type=int, nargs="*", default=[272, 1040])
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--fused", action="store_true", help="also time the fused attention + H2O pass")
     args = p.parse_args()
     torch.set_num_threads(1)
     isa = args.isa or cpu_kernel.isa()
@@ -89,6 +115,10 @@ def main() -> None:
     cases = [("flush", score_case(flush_case()), args.reps)]
     cases += [(f"chunk {n}", score_case(chunk_case(n)), max(2, args.reps // 4)) for n in args.chunk]
     cases += [(f"{kind} {n}", window_case(kind, n, isa), args.reps) for n in args.n for kind in ("andpro", "snapkv")]
+    if args.fused:
+        for dtype, tag in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+            cases += [(f"fused 1 x 2048 causal {tag}", fused_case(dtype, 1, 2048, 2048), max(2, args.reps // 4)),
+                      (f"fused decode 16 x 2000 {tag}", fused_case(dtype, 16, 1, 2000), args.reps)]
 
     print(f"isa {isa}; median ms of each build, the builds taking turns; one thread\n")
     print("| case | " + " | ".join(label for label, _ in builds) + " | outputs |")
