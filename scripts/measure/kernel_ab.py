@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 from chunk_timing import chunk_case
-from flush_timing import flush_case
+from flush_timing import BS, D, GROUP, KV_HEADS, flush_case
 
 from vllm_kvevict import cpu_kernel
 from vllm_kvevict.core.scoring import scores as scoring
@@ -78,12 +78,12 @@ def window_case(kind: str, n: int, isa: str):
 
 def fused_case(dtype: torch.dtype, r: int, nq: int, n: int):
     """One layer of the fused pass: r rows of nq causal queries (nq = 1: a
-    decode step) over n keys, SmolLM2's heads (3 KV, GQA 3, D 64), block 32."""
+    decode step) over n keys, flush_timing's (SmolLM2's) heads and block."""
     from vllm import _custom_ops as ops
 
     from vllm_kvevict.core.layouts.cpu_layout import KVLayout
 
-    h, g, d, bs, nb = 3, 3, 64, 32, 1024
+    h, g, d, bs, nb = KV_HEADS, GROUP, D, BS, 1024
     layout = KVLayout.discover(ops.cpu_attn_reshape_and_cache, "vec", dtype, bs, d, h)
     gen = torch.Generator().manual_seed(n)
     kc, vc = layout.split(torch.randn(nb, h, bs, 2 * d, generator=gen).to(dtype))
