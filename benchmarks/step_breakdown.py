@@ -5,12 +5,15 @@ or in the memory-short throughput benchmark.
         [--policies none h2o snapkv andpro streaming] [--repeats 1] [--json out.json]
     python benchmarks/step_breakdown.py --by-function --policies h2o snapkv andpro
     python benchmarks/step_breakdown.py --workload short   # ~1 min per policy, both cores
+    python benchmarks/step_breakdown.py --workload steady --dtype float32 --by-function
 
 `--workload demo` (default) runs `vllm_kvevict.demo`'s offline batch (16
 chat requests x 256 greedy tokens, budget 160, block 32, bf16, memory ample);
 `--workload short` runs `benchmarks/throughput.py`'s memory-short
 configuration (64 x (256 + 512) tokens, an 8K-token pool, budget 160, recent
-64). Each policy runs once per round, in a fresh process, with `benchmarks/common.py`'s timers around the plugin's
+64); `--workload steady` the same pool with its steady-state arrivals (one
+every 2 steps, seeded 256-768 output tokens; 4-5 min a policy on 2 cores).
+`--dtype` sets the model's dtype for short/steady (default bfloat16). Each policy runs once per round, in a fresh process, with `benchmarks/common.py`'s timers around the plugin's
 per-step functions (exclusive time, nested calls subtracted), and prints per
 policy: output tok/s, the batch's wall time, and the seconds spent in
 
@@ -39,7 +42,8 @@ from common import CATEGORIES, PER_STEP
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def one(policy: str, workload: str = "demo", by_function: bool = False) -> dict:
+def one(policy: str, workload: str = "demo", by_function: bool = False,
+        dtype: str = "bfloat16") -> dict:
     """The workload under `policy` with timers, in this (fresh) process;
     by_function: one category per timed function (its name), not three."""
     from common import install_timers
@@ -48,14 +52,16 @@ def one(policy: str, workload: str = "demo", by_function: bool = False) -> dict:
 
     timers = install_timers([(m, o, n, n if by_function else c) for m, o, n, c in PER_STEP])
     start = time.perf_counter()
-    if workload == "short":
+    if workload in ("short", "steady"):
         import throughput
 
         cfg = dict(model=ensure_smollm2(), block_size=32, max_model_len=1024,
-                   dtype="bfloat16", recent=64, prompt_len=256, warmup=True,
+                   dtype=dtype, recent=64, prompt_len=256, warmup=True,
                    no_prefix_caching=False, table="constrained", policy=policy,
                    budget=None if policy == "none" else 160, num_requests=64,
                    output_len=512, pool_tokens=8192, repeats=1)
+        if workload == "steady":
+            cfg.update(workload="steady", arrival_gap=2)
         result = throughput.run_config(cfg)
         tok_s, wall_s = result["out_tok_s"], result["wall_s"]
     else:
@@ -76,15 +82,17 @@ def main() -> None:
     p.add_argument("--policies", nargs="+", default=["none", "h2o", "snapkv", "andpro",
                                                      "streaming"])
     p.add_argument("--repeats", type=int, default=1, help="rounds over the policies")
-    p.add_argument("--workload", choices=("demo", "short"), default="demo",
-                   help="the demo's batch (memory ample) or throughput.py's memory-short run")
+    p.add_argument("--workload", choices=("demo", "short", "steady"), default="demo",
+                   help="the demo's batch (memory ample) or throughput.py's memory-short run "
+                        "(lockstep or steady state)")
+    p.add_argument("--dtype", default="bfloat16", help="model dtype of short/steady")
     p.add_argument("--by-function", action="store_true",
                    help="also print each timed function's exclusive ms / calls")
     p.add_argument("--json")
     args = p.parse_args()
     from prefix_cache import in_fresh_process
 
-    rows = [in_fresh_process(one, policy, args.workload, args.by_function)
+    rows = [in_fresh_process(one, policy, args.workload, args.by_function, args.dtype)
             for _ in range(args.repeats) for policy in args.policies]
     if args.by_function:
         for r in rows:

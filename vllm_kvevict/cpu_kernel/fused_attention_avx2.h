@@ -41,8 +41,8 @@ inline void store8(at::BFloat16* p, __m256 v) {
 // column_sums.cpp's dot_4x16 is the same tile on packed float keys. One
 // template for both (keys at a stride, widened by load8) gave the same bits
 // but moved GCC's inlining: the H2O flush 11-18% or AnDPro's window scores
-// 8-12% slower on an AVX2-only EPYC (scripts/measure/kernel_ab.py, thirty-fifth
-// session), so each keeps its own.
+// 8-12% slower on an AVX2-only EPYC (results/avx2/kernel_ab_dot4x16.md), so
+// each keeps its own.
 template <typename T>
 inline void logits_4x16(const float* qf, int64_t j0, const T* kb, int64_t bs, int64_t d, __m256 scale,
                         float* out, int64_t ld) {
