@@ -25,7 +25,10 @@ layout (bf16: `vec` on AVX-512 BF16 CPUs, else the avx2 path; float32: the
 avx2 path; "-" for the flush shapes and on AMX CPUs, whose bf16 layout is `amx`).
 A second table times one layer of a decode step the same way: vLLM's
 attention plus the scoring kernel's share of a flush, against the pass
-(which reads a decode row's keys and values in place).
+(which reads a decode row's keys and values in place). "pass, no rows
+scored" is the same pass with `score_rows` all false: attention alone, what
+a step of a policy that takes no scores from it would pay (the engine runs
+the pass for H2O only).
 """
 from __future__ import annotations
 
@@ -125,7 +128,7 @@ def main(argv=None) -> int:
     vc = layout.split(kv)[1]
     cols = ["shape", "torch ms", *(f"{i} ms (x torch)" for i in paths), "best GMAC/s",
             "vLLM attention ms", "best scoring / vLLM attention", "fused pass ms",
-            "fused / (attention + scoring)"]
+            "fused / (attention + scoring)", "pass, no rows scored ms", "no rows scored / vLLM attention"]
     lines = ["| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
     for name, r, nq, n, causal in SHAPES:
         nblk = -(-n // BS)
@@ -142,7 +145,7 @@ def main(argv=None) -> int:
             best = min(best, t)
             cells.append(f"{t:.2f} ({t_torch / t:.1f}x)")
         t_attn = median_ms(vllm_attention(ops, layout_isa, q, kc, vc, rows, n, causal)[0], args.reps)
-        fused = "- | -"
+        fused = "- | - | - | -"
         if causal and cpu_kernel.fuses_attention(layout, dtype):
             flat, out = q.reshape(r * nq, H * G, D), torch.empty(r * nq, H * G, D, dtype=dtype)
             acc = torch.zeros(H, nb * BS)
@@ -150,7 +153,10 @@ def main(argv=None) -> int:
             t_f = median_ms(lambda: cpu_kernel.attend_add_column_sums(
                 out, layout, kc, vc, flat, starts, seq, rows, torch.ones(r, dtype=torch.bool),
                 0.125, acc), args.reps)
-            fused = f"{t_f:.2f} | {t_f / (t_attn + best):.2f}"
+            t_0 = median_ms(lambda: cpu_kernel.attend_add_column_sums(
+                out, layout, kc, vc, flat, starts, seq, rows, torch.zeros(r, dtype=torch.bool),
+                0.125, acc), args.reps)
+            fused = f"{t_f:.2f} | {t_f / (t_attn + best):.2f} | {t_0:.2f} | {t_0 / t_attn:.2f}"
         lines.append(f"| {name} | {t_torch:.2f} | " + " | ".join(cells) +
                      f" | {macs / best / 1e6:.0f} | {t_attn:.2f} | {best / t_attn:.2f} | {fused} |")
         print(lines[-1], file=sys.stderr, flush=True)
@@ -174,7 +180,8 @@ def decode_table(args, ops, cpu_kernel, layout, layout_isa, kc, vc, nb, gen, pat
     kernel's share of a decode-log flush (FLUSH queries a row at once, / FLUSH)
     against the fused pass, which reads the step's keys and values in place."""
     cols = ["decode step (1 layer)", "vLLM attention ms", "scoring ms / step (flush / 32)",
-            "fused pass ms", "fused / vLLM attention", "fused / (attention + scoring)"]
+            "fused pass ms", "fused / vLLM attention", "fused / (attention + scoring)",
+            "pass, no rows scored ms", "no rows scored / vLLM attention"]
     lines = ["", "| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
     for name, r, n in DECODE_SHAPES:
         nblk = -(-n // BS)
@@ -190,8 +197,11 @@ def decode_table(args, ops, cpu_kernel, layout, layout_isa, kc, vc, nb, gen, pat
         t_f = median_ms(lambda: cpu_kernel.attend_add_column_sums(
             out, layout, kc, vc, q[:, 0], starts, seq, rows, torch.ones(r, dtype=torch.bool),
             0.125, acc), args.reps)
+        t_0 = median_ms(lambda: cpu_kernel.attend_add_column_sums(
+            out, layout, kc, vc, q[:, 0], starts, seq, rows, torch.zeros(r, dtype=torch.bool),
+            0.125, acc), args.reps)
         lines.append(f"| {name} | {t_attn:.3f} | {t_score:.3f} | {t_f:.3f} | {t_f / t_attn:.2f}"
-                     f" | {t_f / (t_attn + t_score):.2f} |")
+                     f" | {t_f / (t_attn + t_score):.2f} | {t_0:.3f} | {t_0 / t_attn:.2f} |")
         print(lines[-1], file=sys.stderr, flush=True)
     return lines
 

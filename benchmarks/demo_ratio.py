@@ -19,6 +19,11 @@ before the next engine steps, as they would be for a lone engine
 (benchmarks/interleave.py). --settle-ms 0 shows what they cost: on the
 2-core EPYC, the window policies 5-7 points more than stock.
 
+A policy named with the suffix "@unfused" (e.g. `streaming@unfused`) runs
+that policy with the plugin's CPU attention pass off
+(VLLM_KVEVICT_CPU_FUSED=off: vLLM's attention in every step), for the pass's
+worth in the same run.
+
     python benchmarks/demo_ratio.py [--rounds 3] [--policies none h2o ...] [--sequential]
                                     [--settle-ms 20] [--md OUT.md]
 """
@@ -47,15 +52,24 @@ CHILD = ("import json, sys; sys.path.insert(0, sys.argv[3]); "
          "flush=True)")
 
 
+UNFUSED = "@unfused"  # a policy's suffix: the same policy with the CPU attention pass off
+
+
 def _argv(policy: str, gated: bool, dtype: str) -> list[str]:
-    return [sys.executable, "-c", CHILD, policy, "gated" if gated else "free", HERE,
-            RESULT_MARKER, dtype]
+    return [sys.executable, "-c", CHILD, policy.removesuffix(UNFUSED), "gated" if gated else "free",
+            HERE, RESULT_MARKER, dtype]
+
+
+def _env(policy: str) -> dict[str, str]:
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
+    if policy.endswith(UNFUSED):
+        env["VLLM_KVEVICT_CPU_FUSED"] = "off"
+    return env
 
 
 def one(policy: str, dtype: str) -> dict:
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
-    out = subprocess.run(_argv(policy, False, dtype), capture_output=True, text=True, env=env,
-                         timeout=1200)
+    out = subprocess.run(_argv(policy, False, dtype), capture_output=True, text=True,
+                         env=_env(policy), timeout=1200)
     line = next((x for x in out.stdout.splitlines() if x.startswith(RESULT_MARKER)), None)
     if out.returncode or line is None:
         raise RuntimeError(f"{policy} failed: {out.stderr[-2000:]}")
@@ -64,8 +78,7 @@ def one(policy: str, dtype: str) -> dict:
 
 def together(policies: list[str], settle_s: float, dtype: str) -> dict[str, dict]:
     """One round: every policy in its own process, their engine steps in turn."""
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
-    done = run_interleaved([(_argv(p, True, dtype), env) for p in policies], settle_s=settle_s)
+    done = run_interleaved([(_argv(p, True, dtype), _env(p)) for p in policies], settle_s=settle_s)
     for p, (res, rc, tail) in zip(policies, done):
         if rc or res is None:
             raise RuntimeError(f"{p} failed (exit {rc}): {tail[-2000:]}")

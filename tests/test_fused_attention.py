@@ -130,6 +130,29 @@ def test_fused_pass_matches_float64_reference(bs, d, h, g, path):
     assert torch.equal(scores[:, ~touched], before[:, ~touched])
 
 
+def test_fused_pass_scoring_no_row_is_the_same_attention_and_takes_no_score_buffer(path):
+    """The pass with no row scored (what SnapKV, AnDPro and StreamingLLM steps
+    run: attention alone) writes the same output, bit for bit, as with rows
+    scored, and takes an (H, 0) score buffer (theirs); a scored row still
+    needs the (H, NB * BS) buffer."""
+    _, dtype = path
+    bs, d, h, g = 32, 64, 3, 3
+    gen = torch.Generator().manual_seed(5)
+    layout, kc, vc, blocks, starts, seq, q = _batch(bs, d, h, g, gen, dtype=dtype)
+    scored_out, alone_out = torch.empty_like(q), torch.full_like(q, float("nan"))
+    scores = torch.zeros(h, kc.shape[0] * bs)
+    cpu_kernel.attend_add_column_sums(scored_out, layout, kc, vc, q, starts, seq, blocks,
+                                      torch.tensor(SCORED), d ** -0.5, scores)
+    none = torch.zeros(len(ROWS), dtype=torch.bool)
+    cpu_kernel.attend_add_column_sums(alone_out, layout, kc, vc, q, starts, seq, blocks, none,
+                                      d ** -0.5, torch.zeros(h, 0))
+    assert torch.equal(alone_out, scored_out)
+    assert scores.sum() > 0  # the scored call did score
+    with pytest.raises(RuntimeError, match="scores: float32"):
+        cpu_kernel.attend_add_column_sums(alone_out, layout, kc, vc, q, starts, seq, blocks,
+                                          torch.tensor(SCORED), d ** -0.5, torch.zeros(h, 0))
+
+
 # A decode step: one query per row, lengths inside a block, at a block's end,
 # one past it, and long.
 DECODE_ROWS = [(1, 1), (1, 31), (1, 32), (1, 33), (1, 200), (1, 1500)]

@@ -1,11 +1,13 @@
 """The fused CPU attention pass in the real engine (integration/fused_attention.py):
-SmolLM2-135M through vLLM with H2O, prompts over their budget, in the
+SmolLM2-135M through vLLM with each policy, prompts over their budget, in the
 CPU's native dtype (bf16 on AVX-512 BF16: that path; float32 elsewhere: avx2).
 
 Each request's prompt (~600 tokens, 256-token chunks) exceeds its 128-token
 budget, so it compacts right after the prompt and no identity promise covers
-it: its prompt chunks and then its decode steps take the pass, and no layer
-logs a query for later scoring. The same requests run with the pass
+it: its prompt chunks and then its decode steps take the pass. Under H2O the
+pass scores every row and no layer logs a query for later scoring; under
+SnapKV and AnDPro it attends alone and the layers still log the window's
+queries, which score every compaction; StreamingLLM's layers record nothing. The same requests run with the pass
 switched off (VLLM_KVEVICT_CPU_FUSED=off: vLLM's attention, then the scoring
 kernel) on the same engine, prefix cache reset between the runs; and once
 more with 200-token prompts at budget 208, which must not take the pass.
@@ -17,8 +19,8 @@ from kept_positions import KeptRecorder
 from vllm_kvevict import cpu_kernel, passages
 
 
-@pytest.fixture(scope="module")
-def runs(model_path, monkeypatch_module):
+@pytest.fixture(scope="module", params=["h2o", "snapkv", "andpro", "streaming"])
+def runs(request, model_path, monkeypatch_module):
     import torch
 
     if cpu_kernel.module() is None:
@@ -30,7 +32,8 @@ def runs(model_path, monkeypatch_module):
     from vllm_kvevict.core.scoring.query_buffers import QueryBuffers
     from vllm_kvevict.integration.worker import worker_state
 
-    llm = make_llm(model_path, dtype=DTYPE, **engine_settings("h2o"))
+    policy = request.param
+    llm = make_llm(model_path, dtype=DTYPE, **engine_settings(policy))
     try:
         tok = llm.get_tokenizer()
         prompts = passages.passages(tok, 3, [f"austen_{n}" for n in passages.AUSTEN[:2]], 600)
@@ -78,6 +81,7 @@ def runs(model_path, monkeypatch_module):
             for k in calls:
                 calls[k] = 0
             rec = KeptRecorder(state)
+            windowless = state.num_windowless
             res = (llm.generate(short, within, use_tqdm=False) if mode == "within"
                    else llm.generate(prompts, params, use_tqdm=False))
             rec.remove()
@@ -87,7 +91,8 @@ def runs(model_path, monkeypatch_module):
             out[mode] = dict(calls, tokens=[list(o.outputs[0].token_ids) for o in res],
                              prompt_lens=[len(o.prompt_token_ids) for o in res],
                              first=[first[o.request_id] for o in res if o.request_id in first],
-                             compactions=len(rec.compactions), layers=len(state.layers))
+                             compactions=len(rec.compactions), layers=len(state.layers),
+                             windowless=state.num_windowless - windowless, policy=policy)
         yield out
     finally:
         close(llm)
@@ -99,28 +104,42 @@ def monkeypatch_module():
         yield mp
 
 
+def _logs_queries(policy: str) -> bool:
+    """Whether the policy's layers log queries: H2O's decode log, the window's ring."""
+    return policy != "streaming"
+
+
 def test_requests_over_budget_take_the_pass_for_every_step(runs):
     """With the pass on, every step went through it, prompt chunks and
     decode-only steps alike (vLLM's attention saw no row), each layer once a
-    step, scoring every row, and no layer logged a query for later scoring;
-    off, it never ran and the layers logged the decode queries."""
-    on, off = runs["on"], runs["off"]
+    step. H2O: scoring every row, no layer logging a query for later scoring.
+    SnapKV/AnDPro: scoring no row in the pass, the layers logging the window's
+    queries, and every compaction scored by a window. Off, the pass never ran
+    and the layers logged their queries."""
+    on, off, policy = runs["on"], runs["off"], runs["on"]["policy"]
     assert all(n > 256 + 128 for n in on["prompt_lens"])  # over budget, more than one chunk
     assert on["fused"] > 0 and on["fused"] % on["layers"] == 0
     assert on["fused_prompt_rows"] >= on["layers"] * 3  # >= 3 chunks of ~600 tokens at 256 a step
     assert on["fused_decode_only"] >= on["layers"] * 20  # 24 tokens: ~22 decode-only steps
-    assert on["vllm_rows"] == 0 and on["logged"] == 0
-    assert on["scored_rows"] == on["fused_rows"]
-    assert off["fused"] == 0 and off["vllm_prompt_rows"] > 0 and off["logged"] > 0
+    assert on["vllm_rows"] == 0
+    if policy == "h2o":
+        assert on["logged"] == 0 and on["scored_rows"] == on["fused_rows"]
+    else:
+        assert on["scored_rows"] == 0 and (on["logged"] > 0) == _logs_queries(policy)
+    assert on["compactions"] > 0 and on["windowless"] == 0
+    assert off["fused"] == 0 and off["vllm_prompt_rows"] > 0
+    assert (off["logged"] > 0) == _logs_queries(policy)
 
 
 def test_requests_within_their_budget_keep_vllm_attention(runs):
     """Budget above the prompt (scored, since it may compact in decode): held
     to stock's tokens until it evicts, which these 24 tokens do not reach, so
-    every step keeps vLLM's attention and the layers log decode queries."""
+    every step keeps vLLM's attention and the layers log their queries (none
+    under StreamingLLM)."""
     within = runs["within"]
     assert within["compactions"] == 0
-    assert within["fused"] == 0 and within["vllm_prompt_rows"] > 0 and within["logged"] > 0
+    assert within["fused"] == 0 and within["vllm_prompt_rows"] > 0
+    assert (within["logged"] > 0) == _logs_queries(within["policy"])
 
 
 def test_first_tokens_equal_and_kept_sets_agree_with_the_unfused_path(runs):

@@ -278,7 +278,8 @@ def attend_add_column_sums(out: torch.Tensor, layout, key_cache: torch.Tensor,
     starts (R + 1,) and seq (R,): each row's queries and physical length
     (vLLM's query_start_loc and seq_lens); blocks (R, nblk) its block table;
     score_rows (R,) bool; scores (H, NB * BS)
-    float32, added at each scored row's slots (rows must not share blocks)."""
+    float32, added at each scored row's slots (rows must not share blocks).
+    With no row scored the pass is attention alone and scores may be (H, 0)."""
     path = fused_isa(key_cache.dtype)
     if path is None:
         raise RuntimeError(f"the fused pass has no path here for a {key_cache.dtype} cache")

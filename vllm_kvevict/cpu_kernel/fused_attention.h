@@ -32,6 +32,7 @@
 // its keys (pack_keys_bf16) and widens its values once, then per row block:
 // logits tile, exps in place, column sums, P V. Values must lie as vLLM's vec
 // layouts keep them, a token's D dims contiguous ([BS][D] per block and head).
+#include <algorithm>
 #include <atomic>
 
 namespace fused {
@@ -354,13 +355,18 @@ void attend_add_column_sums(at::Tensor out, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(starts.numel() == r + 1 && blocks.size(0) == r && score_rows.numel() == r &&
                   score_rows.scalar_type() == at::kBool && score_rows.is_contiguous(),
               "row counts disagree");
-  TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.dim() == 2 && scores.stride(1) == 1 &&
-                  scores.size(0) == h && scores.size(1) == key_cache.size(0) * bs,
-              "scores: float32 (H, NB * BS), slots contiguous");
   const int64_t* st = starts.data_ptr<int64_t>();
   const int64_t* sq = seq.data_ptr<int64_t>();
   const int64_t* bl = blocks.data_ptr<int64_t>();
   const bool* sc = score_rows.data_ptr<bool>();
+  // With no row scored the pass is attention alone (policies whose scores do
+  // not come from it) and scores may be any float32 matrix, (H, 0) included:
+  // nothing is written to it.
+  const bool any_scored = std::any_of(sc, sc + r, [](bool x) { return x; });
+  TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.dim() == 2 &&
+                  (!any_scored || (scores.stride(1) == 1 && scores.size(0) == h &&
+                                   scores.size(1) == key_cache.size(0) * bs)),
+              "scores: float32 (H, NB * BS), slots contiguous");
   TORCH_CHECK(r == 0 || (st[0] == 0 && st[r] == n), "starts must run from 0 to N");
   for (int64_t i = 0; i < r; ++i) {
     const int64_t len = st[i + 1] - st[i];

@@ -9,10 +9,10 @@ change, and only when eviction is enabled in `additional_config`:
   2. KV write: `forward_includes_kv_cache_update = True`, so the backend writes
      K/V itself with that physical slot mapping.
   3. scores: after attention, H2O scores are accumulated beside the cache
-     (snapkv/andpro: the newest queries are kept for the next compaction);
-     in H2O steps whose every request evicts anyway, attention and the prompt
-     chunks' scores come from one pass of the plugin's kernel instead
-     (integration/fused_attention.py).
+     (snapkv/andpro: the newest queries are kept for the next compaction).
+     In steps whose every request evicts anyway, attention comes from the
+     plugin's own pass over the cache instead, with H2O's scores in the same
+     pass (integration/fused_attention.py).
 
 With eviction disabled, the backend behaves exactly like the stock one.
 On CUDA the same wrapper is built around FLASH_ATTN (see `cuda_backend`);
@@ -72,18 +72,19 @@ class EvictingCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         cm = physical_metadata(self.state, logical, self.block_size)
         metadata = super().build(common_prefix_len, cm, fast_build)
         scored = self.state.scored_rows(cm.num_reqs)
-        fuse = fused_attention.wanted(self, self.state, cm, scored)
-        # A fused step's scores come from the pass: the recorder places no row.
-        placed = torch.zeros(cm.num_reqs, dtype=torch.bool) if fuse else scored
+        fuse = fused_attention.wanted(self, self.state, cm)
+        # A step whose scores come from the pass (H2O): the recorder places no row.
+        in_pass = fuse and fused_attention.records(self.state)
+        placed = torch.zeros(cm.num_reqs, dtype=torch.bool) if in_pass else scored
         placement = self.state.place_queries(cm.num_reqs, cm.query_start_loc_cpu,
                                              cm.seq_lens[: cm.num_reqs].cpu(),
                                              logical.seq_lens[: cm.num_reqs].cpu(), placed,
-                                             defer_chunks=not fuse)
+                                             defer_chunks=not in_pass)
         log_only = None
-        fused = fused_attention.plan(self, cm, placement, scored) if fuse else None
+        fused = fused_attention.plan(self, self.state, cm, placement, scored) if fuse else None
         if placement is not None:  # the layers only log (or the pass scores): zero new slots here, once
             self.state.zero_new_slots(cm.slot_mapping, cm.num_actual_tokens)
-            if fused is None:
+            if fused is None or not fused.records:
                 log_only = self.state.log_only(placement, cm.num_actual_tokens)
         setattr(metadata, fused_attention.FUSED_ATTR, fused)
         setattr(metadata, PLACEMENT_ATTR, placement)
@@ -133,12 +134,13 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
         make_layout = lambda kv: layout_for_cache(kv, layer.isa)  # noqa: E731
         fused = getattr(attn_metadata, fused_attention.FUSED_ATTR, None)
         if fused is not None and self.attn_type == AttentionType.DECODER:
-            # The pass attends and adds the step's scores: nothing else to record
-            # (`wanted` refuses offload).
-            return fused_attention.attend(self, layer, query, kv_cache, attn_metadata, output,
-                                          fused, make_layout)
-        out = super().forward(layer, query, key, value, kv_cache, attn_metadata,
-                              output, output_scale, output_block_scale)
+            out = fused_attention.attend(self, layer, query, kv_cache, attn_metadata, output,
+                                         fused, make_layout)
+            if fused.records:  # the pass added the step's scores: nothing else to record
+                return out  # (`wanted` refuses offload)
+        else:
+            out = super().forward(layer, query, key, value, kv_cache, attn_metadata,
+                                  output, output_scale, output_block_scale)
         state = worker_state()
         if state is None:
             return out

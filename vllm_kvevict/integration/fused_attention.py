@@ -1,7 +1,12 @@
-"""CPU steps in which H2O scores and no request is held to stock vLLM's
-tokens: attention and the step's scores in one pass
+"""CPU steps in which no request is held to stock vLLM's tokens: attention
+from the plugin's own pass over the paged cache
 (`cpu_kernel.attend_add_column_sums`, cpu_kernel/fused_attention.h) instead
-of vLLM's attention followed by the scoring kernel.
+of vLLM's, with H2O's scores added in the same pass (instead of the scoring
+kernel after attention). Other policies take the pass for attention alone
+(no row scored): on an AVX2 EPYC in float32 it ran 0.68-0.83x of vLLM's
+attention on prompt chunks and 0.54-1.00x on decode steps
+(benchmarks/cpu_kernel.py, "pass, no rows scored"); SnapKV/AnDPro's layers
+still log their queries for the window, as in any step.
 
 H2O's contract is the attention each query pays each key, so its scoring is
 attention's logits once more: at long prompts (served, 8 x 3,000 tokens)
@@ -26,12 +31,11 @@ neither does any step they are in.
 
 Decided once per step by the metadata builder (`wanted`, then `plan`), for
 all its layers:
-  - the recorder is H2O's and no request holds private (shared-block) scores;
+  - no request holds private (shared-block) scores, and offload is off;
   - vLLM runs its vec / vec16 CPU attention on a bf16 or float32 model and
     cache (`cpu_kernel.fused_isa`: AVX-512 BF16 for bf16 where the CPU has it,
     else AVX2 + FMA), with no sliding window, ALiBi, soft-cap or sinks (the
     backend refuses those);
-  - some row of the step is scored;
   - VLLM_KVEVICT_CPU_FUSED is `on` (the default; `off` keeps vLLM's
     attention everywhere, for comparisons).
 """
@@ -56,6 +60,7 @@ class FusedStep(NamedTuple):
     seq: torch.Tensor  # (R,) int64 physical lengths
     blocks: torch.Tensor  # (R, nblk) int64 block table, nblk covering every row
     score_rows: torch.Tensor  # (R,) bool: the rows whose scores the pass adds
+    records: bool  # the pass is the step's recording (H2O): the layers log nothing
 
 
 def enabled() -> bool:
@@ -74,39 +79,49 @@ def reads(builder) -> bool:
             and enabled())
 
 
-def _score_rows(num_reqs: int, scored: torch.Tensor | None) -> torch.Tensor:
-    """(num_reqs,) bool: the rows H2O scores this step (`scored`, None: every row)."""
-    return torch.ones(num_reqs, dtype=torch.bool) if scored is None else scored
-
-
-def wanted(builder, state, cm, scored: torch.Tensor | None) -> bool:
-    """Before the step's queries are placed: whether it takes the pass. Then
-    the recorder places none of them (`place_queries` with no row scored):
-    no decode query waits in the decode log and no chunk in the chunk log.
+def wanted(builder, state, cm) -> bool:
+    """Before the step's queries are placed: whether it takes the pass.
     cm: the physical CommonAttentionMetadata of the step."""
-    if (not state.recorder.fuses_cpu_step or state.private.tokens or state.cfg.offload
-            or not reads(builder)):
+    if state.private.tokens or state.cfg.offload or not reads(builder):
         return False
-    return (scored is None or bool(scored.any())) and state.all_rows_diverge(cm.num_reqs)
+    return state.all_rows_diverge(cm.num_reqs)
 
 
-def plan(builder, cm, placement, scored: torch.Tensor | None) -> FusedStep | None:
-    """After placing (with no row scored) a step that `wanted` the pass: its
-    FusedStep, or None where the recorder placed nothing (a second builder in
-    the step, a dummy run: the layers then score every row themselves)."""
-    if placement is None:
+def records(state) -> bool:
+    """Whether a step that takes the pass gets its recording from it (H2O's
+    scores): then the recorder places none of the step's queries
+    (`place_queries` with no row scored), so no decode query waits in the
+    decode log and no chunk in the chunk log. Otherwise the layers record as
+    in any step (SnapKV/AnDPro log their queries; StreamingLLM records
+    nothing)."""
+    return state.recorder.fuses_cpu_step
+
+
+def plan(builder, state, cm, placement, scored: torch.Tensor | None) -> FusedStep | None:
+    """After placing a step that `wanted` the pass: its FusedStep, or None
+    where the pass would record but the recorder placed nothing (a second
+    builder in the step, a dummy run: the layers then score every row
+    themselves, after vLLM's attention). scored: H2O's rows to score (None:
+    all); a pass that does not record scores no row."""
+    in_pass = records(state)
+    if in_pass and placement is None:
         return None
     n = cm.num_reqs
     seq = cm.seq_lens[:n].long().cpu()
     nblk = -(-int(seq.max()) // builder.block_size)
     blocks = cm.block_table_tensor[:n, :nblk].long().cpu()
-    return FusedStep(cm.query_start_loc_cpu[: n + 1].long(), seq, blocks, _score_rows(n, scored))
+    if not in_pass:
+        rows = torch.zeros(n, dtype=torch.bool)
+    else:
+        rows = torch.ones(n, dtype=torch.bool) if scored is None else scored
+    return FusedStep(cm.query_start_loc_cpu[: n + 1].long(), seq, blocks, rows, in_pass)
 
 
 def attend(impl, layer, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata,
            output: torch.Tensor, step: FusedStep, make_layout) -> torch.Tensor:
     """Run the pass for one layer into `output` (num_tokens, H_q * D), the
-    scored rows' scores into the layer's score buffer. The kernel refuses a
+    scored rows' scores into the layer's score buffer ((H, 0) for a policy
+    that keeps none: then no row is scored). The kernel refuses a
     cache it cannot read (`reads` keeps those from being planned)."""
     lc = worker_state().layer(layer.layer_name, kv_cache, make_layout)
     n = attn_metadata.num_actual_tokens
