@@ -246,7 +246,9 @@ _GROUP_OF = {f: g for g, files in GROUPS.items() for f in files}
 # another job loaded the cores. test_examples.py: 264 s and test_seeded_sampling.py
 # 47 s alone (-n0) on 2 idle cores (2026-11-29); h2o_server +55 s that day (a
 # second server, two API servers). test_fp8_cache.py: 95 s alone (-n0) while a
-# benchmark shared the cores (2026-11-29).
+# benchmark shared the cores (2026-11-29). test_fused_engine.py: four engines
+# (one per policy) since 2026-11-30, 86 s alone (-n0) on the AVX2-only EPYC,
+# which runs the suite ~2.5x slower than this scale: 35.
 GROUP_SECONDS = {"tensor_parallel": 342, "h2o_server": 291, "calibrated": 140,
                  "test_pipeline_serve.py": 118, "test_examples.py": 264,
                  "test_seeded_sampling.py": 47, "test_fp8_cache.py": 95,
@@ -258,7 +260,7 @@ GROUP_SECONDS = {"tensor_parallel": 342, "h2o_server": 291, "calibrated": 140,
                  "test_request_budget.py": 25, "test_prompt_modules_quality.py": 25,
                  "test_prompt_modules_server_limits.py": 23, "test_cpu_kernel.py": 20,
                  "test_gpu_check.py": 17, "test_policy_extension.py": 45,
-                 "test_triton_aot.py": 10,
+                 "test_triton_aot.py": 10, "test_fused_engine.py": 35,
                  "test_prompt_modules.py": 10, "test_triton_kernels.py": 7,
                  "test_skewing.py": 2, "test_import_graph.py": 2}
 
