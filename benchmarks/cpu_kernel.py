@@ -27,8 +27,8 @@ A second table times one layer of a decode step the same way: vLLM's
 attention plus the scoring kernel's share of a flush, against the pass
 (which reads a decode row's keys and values in place). "pass, no rows
 scored" is the same pass with `score_rows` all false: attention alone, what
-a step of a policy that takes no scores from it would pay (the engine runs
-the pass for H2O only).
+the engine runs for SnapKV, AnDPro and StreamingLLM (whose scores do not
+come from it).
 """
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ the kernel later. The pass computes the logits once, float32-accurate as the
 scoring kernel does, and takes the exps for both the column sums and P V
 (prefill, two threads: 0.5x vLLM's attention plus the scoring kernel; decode
 rows, which it reads in place: 0.6-1.0x vLLM's attention alone;
-benchmarks/cpu_kernel.py). A step that takes it scores every scored row in
-the pass: its layers log nothing.
+benchmarks/cpu_kernel.py). An H2O step that takes it scores every scored
+row in the pass: its layers log nothing.
 
 Why only steps whose every request diverges from stock anyway: the pass's
 output is as accurate as vLLM's (tests/test_fused_attention.py) but not bit
