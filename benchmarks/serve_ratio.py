@@ -14,7 +14,7 @@ rounds and each round's ratio.
     python benchmarks/serve_ratio.py                       # stock, h2o, snapkv, andpro, streaming at 0.9
     python benchmarks/serve_ratio.py --rounds 3 --workloads 16x512 8x3000
     python benchmarks/serve_ratio.py --policies h2o --budget 1024 --eager --plot serve.png
-    python benchmarks/serve_ratio.py --policies h2o --unfused   # + h2o with the fused CPU pass off
+    python benchmarks/serve_ratio.py --policies h2o --unfused   # + each policy with the CPU pass off
 
 `--common` (default `--gpu-memory-utilization 0.85`) goes to every server:
 vLLM's own startup check wants 0.92 of RAM free when the worker starts, which a
@@ -96,8 +96,8 @@ def main() -> int:
                     help="flags every server gets (stock too)")
     ap.add_argument("--eager", action="store_true", help="add --enforce-eager everywhere")
     ap.add_argument("--unfused", action="store_true",
-                    help="also run h2o with VLLM_KVEVICT_CPU_FUSED=off (vLLM's attention + "
-                         "the scoring kernel for requests that evict anyway)")
+                    help="also run each policy with VLLM_KVEVICT_CPU_FUSED=off (vLLM's "
+                         "attention for requests that evict anyway, H2O's scores apart)")
     ap.add_argument("--json", help="write every run here")
     ap.add_argument("--plot", help="write the ratios as a bar chart here (PNG)")
     args = ap.parse_args()
@@ -110,8 +110,8 @@ def main() -> int:
     for p in args.policies:
         configs[p] = ([*common, "--kv-eviction", p, "--kv-budget", args.budget], {})
     if args.unfused:
-        configs["h2o-unfused"] = ([*common, "--kv-eviction", "h2o", "--kv-budget", args.budget],
-                                  {"VLLM_KVEVICT_CPU_FUSED": "off"})
+        for p in args.policies:
+            configs[f"{p}-unfused"] = (configs[p][0], {"VLLM_KVEVICT_CPU_FUSED": "off"})
     workloads, offset = {}, 0
     for w in args.workloads:
         n, length = parse_workload(w)
@@ -130,7 +130,7 @@ def main() -> int:
           f"{args.rounds} rounds (commit {git_head()})\n")
     print(f"flags for every server: `{' '.join(common)}`; {args.max_tokens} tokens out, greedy\n")
     if args.unfused:
-        print("h2o-unfused: h2o with VLLM_KVEVICT_CPU_FUSED=off\n")
+        print("POLICY-unfused: that policy with VLLM_KVEVICT_CPU_FUSED=off\n")
     head = ["config"] + [f"{w} tok/s (median)" for w in workloads] + \
            [f"{w} vs stock (rounds)" for w in workloads] + ["tokens evicted (mean)"]
     print("| " + " | ".join(head) + " |")
