@@ -44,9 +44,12 @@ def run_server(model: str, flags: list[str], env: dict, workloads: dict, warmup:
         row = {"startup_s": round(time.perf_counter() - t0)}
         run_workload(srv, [warmup], 8)
         evicted0 = srv.metric("vllm_kvevict_tokens_evicted_total")
+        pass0 = srv.metric("vllm_kvevict_cpu_pass_steps_total")
         for name, prompts in workloads.items():
             row[name] = run_workload(srv, prompts, max_tokens)
+        time.sleep(1.5)  # the plugin's processes write their counters at most once a second
         row["evicted"] = srv.metric("vllm_kvevict_tokens_evicted_total") - evicted0
+        row["pass_steps"] = srv.metric("vllm_kvevict_cpu_pass_steps_total") - pass0
         log = srv.log()
     row["path"] = next((line.split("CPU tensors: ", 1)[1].split(";")[0]
                         for line in log.splitlines() if "scoring on CPU tensors: " in line), "")
@@ -132,7 +135,8 @@ def main() -> int:
     if args.unfused:
         print("POLICY-unfused: that policy with VLLM_KVEVICT_CPU_FUSED=off\n")
     head = ["config"] + [f"{w} tok/s (median)" for w in workloads] + \
-           [f"{w} vs stock (rounds)" for w in workloads] + ["tokens evicted (mean)"]
+           [f"{w} vs stock (rounds)" for w in workloads] + ["tokens evicted (mean)",
+                                                              "steps in the CPU pass (mean)"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     by = {w: ratios(runs, w) for w in workloads}
@@ -144,6 +148,7 @@ def main() -> int:
             cells.append(f"**{statistics.median(by[w][name]):.2f}x** "
                          f"({', '.join(f'{x:.2f}' for x in by[w][name])})")
         cells.append(f"{statistics.mean(r['evicted'] for r in mine):.0f}")
+        cells.append(f"{statistics.mean(r.get('pass_steps', 0) for r in mine):.0f}")
         print("| " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:

@@ -81,7 +81,7 @@ def runs(request, model_path, monkeypatch_module):
             for k in calls:
                 calls[k] = 0
             rec = KeptRecorder(state)
-            windowless = state.num_windowless
+            windowless, pass_steps = state.num_windowless, state.cpu_pass_steps
             res = (llm.generate(short, within, use_tqdm=False) if mode == "within"
                    else llm.generate(prompts, params, use_tqdm=False))
             rec.remove()
@@ -92,7 +92,8 @@ def runs(request, model_path, monkeypatch_module):
                              prompt_lens=[len(o.prompt_token_ids) for o in res],
                              first=[first[o.request_id] for o in res if o.request_id in first],
                              compactions=len(rec.compactions), layers=len(state.layers),
-                             windowless=state.num_windowless - windowless, policy=policy)
+                             windowless=state.num_windowless - windowless, policy=policy,
+                             pass_steps=state.cpu_pass_steps - pass_steps)
         yield out
     finally:
         close(llm)
@@ -119,6 +120,8 @@ def test_requests_over_budget_take_the_pass_for_every_step(runs):
     on, off, policy = runs["on"], runs["off"], runs["on"]["policy"]
     assert all(n > 256 + 128 for n in on["prompt_lens"])  # over budget, more than one chunk
     assert on["fused"] > 0 and on["fused"] % on["layers"] == 0
+    # what /metrics says (vllm_kvevict_cpu_pass_steps_total): one per step, every layer in it
+    assert on["pass_steps"] * on["layers"] == on["fused"] and off["pass_steps"] == 0
     assert on["fused_prompt_rows"] >= on["layers"] * 3  # >= 3 chunks of ~600 tokens at 256 a step
     assert on["fused_decode_only"] >= on["layers"] * 20  # 24 tokens: ~22 decode-only steps
     assert on["vllm_rows"] == 0
@@ -138,7 +141,7 @@ def test_requests_within_their_budget_keep_vllm_attention(runs):
     under StreamingLLM)."""
     within = runs["within"]
     assert within["compactions"] == 0
-    assert within["fused"] == 0 and within["vllm_prompt_rows"] > 0
+    assert within["fused"] == 0 and within["pass_steps"] == 0 and within["vllm_prompt_rows"] > 0
     assert (within["logged"] > 0) == _logs_queries(within["policy"])
 
 

@@ -88,6 +88,24 @@ def test_eviction_metrics_on_slash_metrics(server, reference_text):
 
     where = [k for k in m if k.startswith("vllm_kvevict_scoring_path_info{")]
     assert len(where) == 1 and f'path="{cpu_path()}"' in where[0], where
+    # The request evicted from its ~70th token on, so its later steps (it ran
+    # alone) take the plugin's CPU pass wherever the pass reads this server's
+    # cache: the model's bf16 in vLLM's vec layouts (not AMX's), a kernel path.
+    pass_steps = server.metric("vllm_kvevict_cpu_pass_steps_total")
+    assert (pass_steps > 0) == pass_reads_served_cache(), pass_steps
+
+
+def pass_reads_served_cache() -> bool:
+    """fused_attention.reads for the shared server (SmolLM2, bf16, head 64,
+    block 32), asked in this process on the same CPU and environment."""
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from vllm_kvevict import cpu_kernel
+    from vllm_kvevict.integration import fused_attention
+
+    return (_get_attn_isa(torch.bfloat16, 32, 64) in ("vec", "vec16") and fused_attention.enabled()
+            and cpu_kernel.fused_pass_runs(torch.bfloat16, 64, 32))
 
 
 def test_per_request_budget_is_used(server):

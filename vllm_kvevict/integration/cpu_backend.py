@@ -82,6 +82,8 @@ class EvictingCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                                              defer_chunks=not in_pass)
         log_only = None
         fused = fused_attention.plan(self, self.state, cm, placement, scored) if fuse else None
+        if fused is not None:
+            self.state.count_cpu_pass_step()
         if placement is not None:  # the layers only log (or the pass scores): zero new slots here, once
             self.state.zero_new_slots(cm.slot_mapping, cm.num_actual_tokens)
             if fused is None or not fused.records:

@@ -26,6 +26,8 @@ four a second on the Xeon).
     vllm_kvevict_resident_tokens{kind}      running requests' KV tokens:
                                             kind="logical" (seen), "physical" (held)
     vllm_kvevict_compaction_seconds_total{rank}  worker time spent compacting
+    vllm_kvevict_cpu_pass_steps_total{rank}  steps whose attention came from the
+                                            plugin's CPU pass, not vLLM's
     vllm_kvevict_scoring_path_info{rank,path}   where a worker scores: "cpu-kernel
                                             avx512bf16|avx2", or "torch (why)"
     vllm_kvevict_host_entries_offloaded_total{rank}  offload only: (layer, KV head,
@@ -181,6 +183,13 @@ class EvictionCollector:
             for s in workers:
                 seconds.add_metric([str(s["rank"])], s["compaction_seconds"])
             yield seconds
+            steps = CounterMetricFamily(
+                "vllm_kvevict_cpu_pass_steps",
+                "Steps whose attention came from the plugin's CPU pass instead of vLLM's "
+                "(requests that all evict anyway)", labels=["rank"])
+            for s in workers:
+                steps.add_metric([str(s["rank"])], s.get("cpu_pass_steps", 0))
+            yield steps
             where = InfoMetricFamily("vllm_kvevict_scoring_path", "Where each worker scores",
                                      labels=["rank"])
             for s in workers:

@@ -89,7 +89,10 @@ class WorkerEviction:
         self.arriving: set[str] = set()  # during begin_step: this step's new requests
         self._step_open = False  # a begin_step not yet matched by place_queries
         self.compaction_seconds = 0.0
+        # steps whose attention came from the plugin's CPU pass (fused_attention.py)
+        self.cpu_pass_steps = 0
         self._snapshot: Snapshot | None = None
+        self._identity: dict = {}  # the snapshot's fixed fields, set with it
         # Offload (InfiniGen): integration/offload_attention.py, set at init.
         self.offload: OffloadState | None = None
 
@@ -169,13 +172,20 @@ class WorkerEviction:
         self.evicted = step.evicted
 
     def _write_metrics(self) -> None:
-        if self._snapshot is None:
+        if self._snapshot is None:  # rank and path are fixed for the process: asked once
             self._snapshot = Snapshot("worker")
-        values = {"role": "worker", "rank": _worker_rank(), "scoring_path": cpu_path(),
-                  "compaction_seconds": self.compaction_seconds}
+            self._identity = {"role": "worker", "rank": _worker_rank(), "scoring_path": cpu_path()}
+        values = {**self._identity, "compaction_seconds": self.compaction_seconds,
+                  "cpu_pass_steps": self.cpu_pass_steps}
         if self.offload is not None:  # offload: what the host tier took (none before it exists)
             values["host_entries_offloaded"] = self.host.stats.entries_offloaded if self.host else 0
         self._snapshot.write_soon(values)
+
+    def count_cpu_pass_step(self) -> None:
+        """A step's attention metadata chose the CPU pass: one more on
+        /metrics (written at most every BUSY_INTERVAL, as the rest)."""
+        self.cpu_pass_steps += 1
+        self._write_metrics()
 
     def _private_of(self, req_id: str, layer: str, st: LayerStack) -> torch.Tensor | None:
         return self.private.of(req_id, layer, st.layout.num_kv_heads, st.scores.device)
