@@ -32,6 +32,8 @@ import time
 
 from common import SERVE_FLAGS, git_head, make_prompts, parse_workload, run_workload, typed_server
 
+from vllm_kvevict.integration.metrics import BUSY_INTERVAL
+
 
 def run_server(model: str, flags: list[str], env: dict, workloads: dict, warmup: list[int],
                max_tokens: int) -> dict:
@@ -47,7 +49,7 @@ def run_server(model: str, flags: list[str], env: dict, workloads: dict, warmup:
         pass0 = srv.metric("vllm_kvevict_cpu_pass_steps_total")
         for name, prompts in workloads.items():
             row[name] = run_workload(srv, prompts, max_tokens)
-        time.sleep(1.5)  # the plugin's processes write their counters at most once a second
+        time.sleep(BUSY_INTERVAL + 0.5)  # the plugin's processes write counters at most this often
         row["evicted"] = srv.metric("vllm_kvevict_tokens_evicted_total") - evicted0
         row["pass_steps"] = srv.metric("vllm_kvevict_cpu_pass_steps_total") - pass0
         log = srv.log()
@@ -148,7 +150,7 @@ def main() -> int:
             cells.append(f"**{statistics.median(by[w][name]):.2f}x** "
                          f"({', '.join(f'{x:.2f}' for x in by[w][name])})")
         cells.append(f"{statistics.mean(r['evicted'] for r in mine):.0f}")
-        cells.append(f"{statistics.mean(r.get('pass_steps', 0) for r in mine):.0f}")
+        cells.append(f"{statistics.mean(r['pass_steps'] for r in mine):.0f}")
         print("| " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:

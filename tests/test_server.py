@@ -96,16 +96,19 @@ def test_eviction_metrics_on_slash_metrics(server, reference_text):
 
 
 def pass_reads_served_cache() -> bool:
-    """fused_attention.reads for the shared server (SmolLM2, bf16, head 64,
-    block 32), asked in this process on the same CPU and environment."""
+    """fused_attention.reads for the shared server's builder (SmolLM2, bf16,
+    head 64, block 32, the layout vLLM picks for it), asked in this process on
+    the same CPU and environment."""
+    from types import SimpleNamespace
+
     import torch
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from vllm_kvevict import cpu_kernel
     from vllm_kvevict.integration import fused_attention
 
-    return (_get_attn_isa(torch.bfloat16, 32, 64) in ("vec", "vec16") and fused_attention.enabled()
-            and cpu_kernel.fused_pass_runs(torch.bfloat16, 64, 32))
+    builder = SimpleNamespace(isa=_get_attn_isa(torch.bfloat16, 32, 64), kv_cache_dtype="auto",
+                              dtype=torch.bfloat16, head_dim=64, block_size=32)
+    return fused_attention.reads(builder)
 
 
 def test_per_request_budget_is_used(server):
