@@ -95,3 +95,30 @@ def test_a_layer_of_another_shape_ends_the_stack_and_reads_stay_right(monkeypatc
         assert torch.equal(bufs.take([name], rows, 5), _expected(ref, [name], rows, 5))
     rows = slice(0, 2)
     assert torch.equal(bufs.take(["a", "b"], rows, 5), _expected(ref, ["a", "b"], rows, 5))
+
+
+def _gathered(ref: dict, layers: list[str], cells: torch.Tensor) -> torch.Tensor:
+    """(P * L, k, H, D), row p * L + l: ref's layer l at flat cells[p]."""
+    return torch.stack([torch.stack([ref[name].flatten(0, 1)[c] for name in layers])
+                        for c in cells]).flatten(0, 1)
+
+
+@pytest.mark.parametrize("mode", ["auto", "torch"])
+def test_gather_reads_a_window_of_every_layer_per_request(mode, monkeypatch):
+    """`gather` (the query window's read at a compaction): cells per request,
+    any order and wrapping around a row; one index_select over the stack where
+    the layers are consecutive in it, one per layer elsewhere, same values."""
+    monkeypatch.setenv("VLLM_KVEVICT_KERNELS", mode)
+    gen = torch.Generator().manual_seed(2)
+    layers = {f"layer.{i}": 3 for i in range(5)}
+    bufs, ref = QueryBuffers(COLS), {"count": {}}
+    _log(bufs, ref, layers, [0, 3, 9], COLS, gen)
+    names = list(layers)
+    cells = torch.tensor([[9 * COLS + 6, 9 * COLS + 7, 9 * COLS + 0],  # a ring's wrap
+                          [0 * COLS + 1, 0 * COLS + 2, 0 * COLS + 3]])
+    for subset in (names, names[1:4], names[::2], names[:1]):
+        got = bufs.gather(subset, cells)
+        assert got.shape == (2 * len(subset), 3, 3, D) and got.is_contiguous()
+        assert torch.equal(got, _gathered(ref, subset, cells))
+    assert bufs.gather(names, cells).abs().sum() > 0
+    assert bufs.has(names) and not bufs.has(names + ["layer.9"])

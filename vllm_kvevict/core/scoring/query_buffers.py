@@ -81,6 +81,31 @@ class QueryBuffers:
             return out.reshape(-1, *out.shape[2:])
         return torch.cat([self._buffers[name][rows, :n] for name in layers])
 
+    def has(self, layers: list[str]) -> bool:
+        """Whether every one of `layers` has a buffer (one commit for all)."""
+        self.commit()
+        return all(name in self._buffers for name in layers)
+
+    def gather(self, layers: list[str], cells: torch.Tensor) -> torch.Tensor:
+        """(P * len(layers), k, H_q, D), row p * L + l: the queries in flat
+        cells[p] (row * cols + col; cells (P, k) int64) of layers[l]. One
+        index_select over the stack when the layers are consecutive in it (a
+        compaction's window of every layer), else one per layer."""
+        self.commit()
+        pos = {name: i for i, name in enumerate(self._stacked)}
+        at = [pos.get(name, -1) for name in layers]
+        num_p, k = cells.shape
+        if at and at[0] >= 0 and at == list(range(at[0], at[0] + len(at))):
+            src = self._stack[at[0]:at[0] + len(at)]  # (L, R, cols, H_q, D), contiguous
+            per_layer = src.shape[1] * src.shape[2]
+            idx = torch.arange(len(layers))[None, :, None] * per_layer + cells[:, None, :]
+            out = src.flatten(0, 2).index_select(0, idx.flatten().to(src.device))
+        else:
+            out = torch.stack([self._buffers[name].flatten(0, 1).index_select(
+                0, cells.flatten().to(self._buffers[name].device)).view(num_p, k, -1)
+                for name in layers], dim=1)
+        return out.view(num_p * len(layers), k, *self._buffers[layers[0]].shape[2:])
+
     # --- writes ---------------------------------------------------------------
 
     def hold(self, layer: str, query: torch.Tensor, placement, rows: int, scale: float) -> None:

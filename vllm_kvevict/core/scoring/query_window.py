@@ -119,11 +119,8 @@ class QueryWindow:
         unless every request's ring holds the same k > 0 tokens."""
         ks = {self.window_len(r, n) for r, n in zip(req_ids, logical_lens)}
         k = ks.pop()
-        if ks or k == 0 or any(name not in self.queries for name in layers):
+        if ks or k == 0 or not self.queries.has(layers):
             return None
         rows = torch.tensor([self.row_of[r] for r in req_ids])[:, None]  # (P, 1)
         cols = (torch.tensor(logical_lens)[:, None] - k + torch.arange(k)) % self.size  # (P, k)
-        dev = self.queries[layers[0]].device
-        rows, cols = rows.to(dev), cols.to(dev)
-        q = torch.stack([self.queries[name][rows, cols] for name in layers], dim=1)
-        return q.flatten(0, 1), self.queries.scale[layers[0]]
+        return self.queries.gather(layers, rows * self.size + cols), self.queries.scale[layers[0]]
