@@ -73,10 +73,9 @@ class QueryBuffers:
         when the layers are consecutive in the stack (a flush of every layer),
         else a gather per layer."""
         self.commit()
-        pos = {name: i for i, name in enumerate(self._stacked)}
-        at = [pos.get(name, -1) for name in layers]
-        if at and at[0] >= 0 and at == list(range(at[0], at[0] + len(at))):
-            src = self._stack[at[0]:at[0] + len(at), :, :n]
+        span = self._stack_span(layers)
+        if span is not None:
+            src = self._stack[span, :, :n]
             out = src[:, rows] if isinstance(rows, slice) else src.index_select(1, rows.to(src.device))
             return out.reshape(-1, *out.shape[2:])
         return torch.cat([self._buffers[name][rows, :n] for name in layers])
@@ -92,11 +91,10 @@ class QueryBuffers:
         index_select over the stack when the layers are consecutive in it (a
         compaction's window of every layer), else one per layer."""
         self.commit()
-        pos = {name: i for i, name in enumerate(self._stacked)}
-        at = [pos.get(name, -1) for name in layers]
+        span = self._stack_span(layers)
         num_p, k = cells.shape
-        if at and at[0] >= 0 and at == list(range(at[0], at[0] + len(at))):
-            src = self._stack[at[0]:at[0] + len(at)]  # (L, R, cols, H_q, D), contiguous
+        if span is not None:
+            src = self._stack[span]  # (L, R, cols, H_q, D), contiguous
             per_layer = src.shape[1] * src.shape[2]
             idx = torch.arange(len(layers))[None, :, None] * per_layer + cells[:, None, :]
             out = src.flatten(0, 2).index_select(0, idx.flatten().to(src.device))
@@ -105,6 +103,15 @@ class QueryBuffers:
                 0, cells.flatten().to(self._buffers[name].device)).view(num_p, k, -1)
                 for name in layers], dim=1)
         return out.view(num_p * len(layers), k, *self._buffers[layers[0]].shape[2:])
+
+    def _stack_span(self, layers: list[str]) -> slice | None:
+        """The slice of the stack that is exactly `layers`, in order, or None
+        where they are not consecutive in it (then a read goes layer by layer)."""
+        pos = {name: i for i, name in enumerate(self._stacked)}
+        at = [pos.get(name, -1) for name in layers]
+        if at and at[0] >= 0 and at == list(range(at[0], at[0] + len(at))):
+            return slice(at[0], at[0] + len(at))
+        return None
 
     # --- writes ---------------------------------------------------------------
 
