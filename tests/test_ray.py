@@ -19,8 +19,7 @@ the reason tests/test_tensor_parallel.py gives. Checked:
 """
 
 import pytest
-from conftest import PROMPTS
-from tp_runs import BUDGET, MAX_TOKENS, one_pass, plugin_runs
+from tp_runs import BUDGET, MAX_TOKENS, PROMPTS, one_pass, plugin_runs
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 tests/test_ray.py read, run once per pytest session and shared by both files.
 
 Qwen2.5-Coder-0.5B (2 KV heads: one per rank at TP 2), float32, block 32,
-MAX_TOKENS greedy tokens per prompt of conftest.PROMPTS, prefix caching off.
+MAX_TOKENS greedy tokens per prompt of PROMPTS (below), prefix caching off.
 Two subprocesses of tests/tp_generate.py (VLLM_PLUGINS and the CPU binding must
 be set before a process's first engine; plugins load once per process):
 
@@ -29,7 +29,7 @@ A per-request budget of 64 under a 2048 server gives the same plans as a
 Measured at TP 1: the same tokens, 8 compactions, 256 evicted tokens, 2 blocks
 per request at most and the same kept positions at every compaction.
 
-SCORED: each request's budget is its own length (109-128 tokens) less one,
+SCORED: each request's budget is its own length (101-106 tokens) less one,
 so the planner does not mark it unscored (planner.never_compacts: length <=
 budget) and H2O scores every step, yet no written token reaches it (the last
 sampled token is never written), so no decode compaction fires (physical >=
@@ -52,10 +52,34 @@ import signal
 import subprocess
 import sys
 
-from conftest import PROMPTS, kv_bytes
+from conftest import kv_bytes
 
 HERE = os.path.dirname(__file__)
-MAX_TOKENS = 100  # prompts are 9-28 tokens: 109-128 per request
+# Four prompts of 57-62 tokens (Qwen2.5's tokenizer), each within the budget's
+# two blocks: a request holds at most two blocks from its first step to its last.
+# Long prompts and few decode steps, because decode steps are what these runs
+# cost (every step of a TP 2 / PP 2 engine synchronises its two ranks on a
+# CPU the other pytest worker also uses): 44 steps here, where conftest.PROMPTS
+# (9-28 tokens) needed 100 for the same two compactions per request.
+PROMPTS = [
+    "A lighthouse keeper on a remote northern island has tended the same lamp for thirty "
+    "years. One stormy morning he finds a sealed green bottle wedged between the rocks below "
+    "the tower, and inside it a letter addressed to him by name. Write the story of what the "
+    "letter says and what he does next.",
+    "Explain, step by step, how a CPU executes a single instruction: how it is fetched from "
+    "memory, decoded, how its operands are read from registers, what the arithmetic logic "
+    "unit does, and how the result is written back. Mention pipelining and what a branch "
+    "misprediction costs.",
+    "The GNU General Public License is a free, copyleft license for software and other kinds "
+    "of works. Licenses for most software are designed to take away your freedom to share and "
+    "change the works. Summarize what copyleft means, and how it differs from a permissive "
+    "license.",
+    "List ten ideas for a science fair project that a twelve-year-old could finish in a month "
+    "with materials from a kitchen or a garden. For each idea, give the question it answers, "
+    "what to measure, one thing that could go wrong, and how a careful student would notice "
+    "it early.",
+]
+MAX_TOKENS = 44  # 101-106 tokens per request: compactions at its 65th and 97th written token
 BUDGET = 64  # two blocks: a cap, so compact at 64 resident tokens back to 32, every 32 tokens
 FULL = 2048  # budget >= length: no eviction
 BLOCK = 32
