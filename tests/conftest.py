@@ -248,7 +248,11 @@ _GROUP_OF = {f: g for g, files in GROUPS.items() for f in files}
 # second server, two API servers). test_fp8_cache.py: 95 s alone (-n0) while a
 # benchmark shared the cores (2026-11-29). test_fused_engine.py: four engines
 # (one per policy) since 2026-11-30, 86 s alone (-n0) on the AVX2-only EPYC,
-# which runs the suite ~2.5x slower than this scale: 35.
+# which runs the suite ~2.5x slower than this scale: 35. tensor_parallel's 342
+# predates its runs' cut to 44 decode steps (2026-12-01: 272 s alone against
+# 366 s, -n0 on the AVX2-only EPYC), and stays first on purpose: on that CPU,
+# where CI's runs are slowest, it is the heaviest group by far (its plugin
+# process 650-1,067 s and stock's 275-399 s in clean-clone runs before the cut).
 GROUP_SECONDS = {"tensor_parallel": 342, "h2o_server": 291, "calibrated": 140,
                  "test_pipeline_serve.py": 118, "test_examples.py": 264,
                  "test_seeded_sampling.py": 47, "test_fp8_cache.py": 95,
