@@ -78,7 +78,7 @@ def test_tp2_equals_tp1_under_eviction(plugin, policy):
     several compactions per request that really returned blocks to vLLM's pool."""
     tp1, tp2 = plugin(policy, 1), plugin(policy, 2)
     for run in (tp1, tp2):
-        # 101-106 tokens per request at budget 64: compactions at 64 and 96 tokens.
+        # 101-106 tokens per request at budget 64: compactions at the 65th and 97th written token.
         assert run["compactions"] >= 2 * len(PROMPTS)
         assert run["evicted"] >= 2 * len(PROMPTS) * BLOCK
         assert run["max_blocks"] <= max_blocks_per_request(BUDGET, BLOCK)
