@@ -3,7 +3,8 @@ engine scores: decode-log flushes (rows = layer x request, 32 queries each)
 and causal prefill chunks, SmolLM2-135M's heads (3 KV heads, GQA 3, D 64),
 block 32, in vLLM's bf16 cache layouts (`amx` on AMX CPUs, `vec` elsewhere).
 
-    python benchmarks/cpu_kernel.py [--threads 1] [--reps 5] [--dtype bf16] [--md OUT.md]
+    python benchmarks/cpu_kernel.py [--threads 1] [--reps 5] [--dtype bf16] [--layout vec]
+                                    [--md OUT.md]
 
 Each cell is the median of --reps calls after one warm-up, ms; GMAC/s counts
 the logits' multiply-adds (queries x visible keys x D) only. Paths the CPU
@@ -22,7 +23,8 @@ and H2O's column sums in one pass, what the engine runs for prompt chunks of
 requests that evict anyway; integration/fused_attention.py) against what it
 replaces, vLLM's attention plus the best scoring path. It reads vLLM's `vec`
 layout (bf16: `vec` on AVX-512 BF16 CPUs, else the avx2 path; float32: the
-avx2 path; "-" for the flush shapes and on AMX CPUs, whose bf16 layout is `amx`).
+avx2 path; "-" for the flush shapes and on AMX CPUs, whose bf16 layout is `amx`,
+unless `--layout vec` makes vLLM's `vec` kernel and layout the ones timed).
 A second table times one layer of a decode step the same way: vLLM's
 attention plus the scoring kernel's share of a flush, against the pass
 (which reads a decode row's keys and values in place). "pass, no rows
@@ -100,6 +102,11 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--dtype", choices=("bf16", "f32"), default="bf16",
                    help="the model's and cache's dtype (f32: what AVX2-only CPUs run natively)")
+    p.add_argument("--layout", choices=("auto", "vec"), default="auto",
+                   help="vLLM's cache layout and attention: auto is what vLLM picks (`amx` for "
+                        "bf16 on AMX CPUs, else `vec`); vec forces its `vec` kernel on an AMX "
+                        "CPU, the layout the fused pass reads, to set the pass against AMX "
+                        "attention")
     p.add_argument("--md", help="also write the table here")
     args = p.parse_args(argv)
     args.torch_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -116,7 +123,7 @@ def main(argv=None) -> int:
     if mod is None:
         raise SystemExit(cpu_path())
     paths = [i for i in cpu_kernel.ISAS if mod.supports(i)]
-    layout_isa = "amx" if torch.cpu._is_amx_tile_supported() else "vec"
+    layout_isa = "amx" if torch.cpu._is_amx_tile_supported() and args.layout == "auto" else "vec"
     dtype = args.torch_dtype
     if dtype == torch.float32:  # the bf16 paths take bf16 caches only
         layout_isa, paths = "vec", [i for i in paths if i == "avx2"]
