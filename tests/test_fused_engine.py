@@ -1,6 +1,7 @@
 """The fused CPU attention pass in the real engine (integration/fused_attention.py):
 SmolLM2-135M through vLLM with each policy, prompts over their budget, in the
-CPU's native dtype (bf16 on AVX-512 BF16: that path; float32 elsewhere: avx2).
+CPU's native dtype (bf16 on AVX-512 BF16: that path; float32 elsewhere: avx2;
+float32 on AMX CPUs too, where vLLM's bf16 cache is in its `amx` layout).
 
 Each request's prompt (~600 tokens, 256-token chunks) exceeds its 128-token
 budget, so it compacts right after the prompt and no identity promise covers
@@ -13,10 +14,15 @@ kernel) on the same engine, prefix cache reset between the runs; and once
 more with 200-token prompts at budget 208, which must not take the pass.
 """
 import pytest
-from conftest import DTYPE, close, engine_settings, make_llm
+from conftest import DTYPE, close, cpu_has_amx, engine_settings, make_llm
 from kept_positions import KeptRecorder
 
 from vllm_kvevict import cpu_kernel, passages
+
+# On an AMX CPU vLLM attends a bf16 cache through its `amx` layout (it takes
+# blocks of 32n only), which the pass does not read (fused_attention.reads):
+# there the engine runs float32, whose `vec` layout the pass reads (avx2).
+PASS_DTYPE = "float32" if cpu_has_amx() else DTYPE
 
 
 @pytest.fixture(scope="module", params=["h2o", "snapkv", "andpro", "streaming"])
@@ -25,7 +31,7 @@ def runs(request, model_path, monkeypatch_module):
 
     if cpu_kernel.module() is None:
         pytest.skip("the fused pass needs the built kernel (scripts/setup.sh builds it)")
-    assert cpu_kernel.fused_isa(getattr(torch, DTYPE)) is not None  # avx512bf16 (bf16) or avx2
+    assert cpu_kernel.fused_isa(getattr(torch, PASS_DTYPE)) is not None  # avx512bf16 (bf16) or avx2
     from vllm import SamplingParams
     from vllm import _custom_ops as ops
 
@@ -33,7 +39,7 @@ def runs(request, model_path, monkeypatch_module):
     from vllm_kvevict.integration.worker import worker_state
 
     policy = request.param
-    llm = make_llm(model_path, dtype=DTYPE, **engine_settings(policy))
+    llm = make_llm(model_path, dtype=PASS_DTYPE, **engine_settings(policy))
     try:
         tok = llm.get_tokenizer()
         prompts = passages.passages(tok, 3, [f"austen_{n}" for n in passages.AUSTEN[:2]], 600)

@@ -231,6 +231,12 @@ def test_andpro_projects_onto_values_read_in_place_as_onto_gathered_ones(llm, pr
     SnapKV reads no values and never takes this path."""
     from vllm_kvevict.core.scoring.window_scores import value_projection
 
+    # This engine is float32. On an Intel CPU with AVX-512, float32 windows go
+    # to torch by design (its GEMMs at full width beat the kernel's avx2 path:
+    # kernel_dispatch.cpu_projection_isa_of); forced to avx2, the path float32
+    # takes wherever the kernel runs it, every CPU reads the window in place.
+    monkeypatch.setenv("VLLM_KVEVICT_CPU_ISA", "avx2")
+
     def check(ctx, q, scale, got):
         assert torch.equal(got, value_projection(q, ctx.keys(), ctx.values(), scale))
 
