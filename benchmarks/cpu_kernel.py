@@ -21,10 +21,12 @@ row are 32 decode steps in the engine; here they go to vLLM's kernel as one
 For the prefill shapes, the fused pass (`attend_add_column_sums`: attention
 and H2O's column sums in one pass, what the engine runs for prompt chunks of
 requests that evict anyway; integration/fused_attention.py) against what it
-replaces, vLLM's attention plus the best scoring path. It reads vLLM's `vec`
-layout (bf16: `vec` on AVX-512 BF16 CPUs, else the avx2 path; float32: the
-avx2 path; "-" for the flush shapes and on AMX CPUs, whose bf16 layout is `amx`,
-unless `--layout vec` makes vLLM's `vec` kernel and layout the ones timed).
+replaces, vLLM's attention plus the best scoring path ("-" for the flush
+shapes). It reads vLLM's `vec` layout (bf16: `vec` on AVX-512 BF16 CPUs, else
+the avx2 path; float32: the avx2 path) and, on the AVX-512 BF16 path, its
+`amx` layout, the one vLLM attends with AMX tiles on AMX CPUs (the engine
+does not plan the pass there: integration/fused_attention.reads says why;
+`--layout vec` times vLLM's `vec` kernel and layout on such a CPU instead).
 A second table times one layer of a decode step the same way: vLLM's
 attention plus the scoring kernel's share of a flush, against the pass
 (which reads a decode row's keys and values in place). "pass, no rows

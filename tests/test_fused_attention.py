@@ -45,10 +45,24 @@ ROWS = [(300, 700), (257, 257), (1, 500), (1, 33), (16, 16)]
 SCORED = [True, False, False, True, True]
 
 
+def _layout(isa, dtype, bs, d, h):
+    """vLLM's layout, discovered from its writer; `amx` built from its tiling
+    (`cpu_kernel.amx_tiles`), so CPUs without AMX test the pass on it too
+    (the pass reads it with AVX-512 BF16 alone); on AMX CPUs the discovered
+    tiling must be that one."""
+    if isa != "amx":
+        return KVLayout.discover(ops.cpu_attn_reshape_and_cache, isa, dtype, bs, d, h)
+    kt, vt = cpu_kernel.amx_tiles(bs, d)
+    if torch.cpu._is_amx_tile_supported():
+        found = KVLayout.discover(ops.cpu_attn_reshape_and_cache, "amx", dtype, bs, d, h)
+        assert (found.k_tiles, found.v_tiles) == (kt, vt)
+    return KVLayout("amx", dtype, bs, d, h, None, None, kt, vt)
+
+
 def _batch(bs, d, h, g, gen, isa="vec", unwritten=float("nan"), rows=ROWS, dtype=torch.bfloat16):
     """A step's batch (`rows`) over a paged cache of `dtype` whose slots past
     each row's length hold `unwritten` (NaN: the pass must not read them)."""
-    layout = KVLayout.discover(ops.cpu_attn_reshape_and_cache, isa, dtype, bs, d, h)
+    layout = _layout(isa, dtype, bs, d, h)
     need = [-(-s // bs) for _, s in rows]
     nb = sum(need) + 7
     kv = torch.full((nb, h, bs, 2 * d), unwritten, dtype=dtype)
@@ -228,14 +242,93 @@ def test_fused_pass_agrees_with_vllm_attention(path):
     assert err_ours <= 1.25 * err_theirs, (float(err_ours), float(err_theirs))
 
 
+@pytest.fixture
+def avx512bf16(monkeypatch):
+    """The AVX-512 BF16 path forced, where the CPU has it: the one that reads
+    vLLM's amx layout."""
+    mod = cpu_kernel.module()
+    if mod is None:
+        pytest.skip("the kernel is not built (scripts/setup.sh builds it)")
+    if not mod.supports("avx512bf16"):
+        pytest.skip("this CPU lacks avx512bf16, the path that reads vLLM's amx layout")
+    monkeypatch.setenv("VLLM_KVEVICT_CPU_ISA", "avx512bf16")
+
+
+@pytest.mark.parametrize("rows,scored", [(ROWS, SCORED), (DECODE_ROWS, DECODE_SCORED)],
+                         ids=["chunks", "decode"])
+@pytest.mark.parametrize("bs,d,h,g", [(32, 64, 3, 3), (64, 64, 2, 7), (32, 128, 1, 12)],
+                         ids=["smollm2", "qwen2.5-0.5b-bs64", "g12-d128"])
+def test_fused_pass_reads_vllm_amx_layout_as_float64_reference(bs, d, h, g, rows, scored, avx512bf16):
+    """vLLM's bf16 amx layout (keys [BS/16][D/2][16][2], values in token pairs,
+    slots past a row's length NaN, odd lengths leaving a pair half written):
+    prompt chunks (keys packed, values widened) and decode rows (both read in
+    place) within one bf16 rounding of float64, the scored rows' column sums
+    to float32 accuracy, the other rows' slots untouched."""
+    gen = torch.Generator().manual_seed(bs + d + g)
+    layout, kc, vc, blocks, starts, seq, q = _batch(bs, d, h, g, gen, "amx", rows=rows)
+    assert cpu_kernel.fuses_attention(layout, torch.bfloat16)
+    scale = d ** -0.5
+    scores = torch.rand(h, kc.shape[0] * bs, generator=gen)
+    before = scores.clone()
+    out = torch.full_like(q, float("nan"))
+    cpu_kernel.attend_add_column_sums(out, layout, kc, vc, q, starts, seq, blocks,
+                                      torch.tensor(scored), scale, scores)
+    ref, cols = _reference(layout, kc, vc, blocks, starts, seq, q, scale, rows=rows)
+    torch.testing.assert_close(out.double(), ref, **OUT_TOL[torch.bfloat16])
+    for i, (n, s) in enumerate(rows):
+        slots = _slots(blocks, i, s, bs)
+        added = (scores[:, slots] - before[:, slots]).double()
+        if scored[i]:
+            torch.testing.assert_close(added, cols[i], rtol=1e-4, atol=1e-5)
+        else:
+            assert torch.equal(added, torch.zeros_like(added))
+
+
+def test_fused_pass_agrees_with_vllm_amx_attention(avx512bf16):
+    """On an AMX CPU, the batch through vLLM's own amx attention (what stock
+    runs for bf16 there) on the same cache: the pass no further from float64
+    than vLLM is (vLLM's tiles multiply bf16 probabilities; the pass keeps
+    them float32)."""
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU lacks AMX: vLLM's amx attention cannot run")
+    torch._C._cpu._init_amx()  # the tile state's permission, as vLLM's worker asks for it
+    bs, d, h, g = 32, 64, 3, 3
+    gen = torch.Generator().manual_seed(11)
+    for rows in (ROWS, DECODE_ROWS):
+        layout, kc, vc, blocks, starts, seq, q = _batch(bs, d, h, g, gen, "amx", unwritten=0.0,
+                                                        rows=rows)
+        scale = d ** -0.5
+        ours = torch.empty_like(q)
+        cpu_kernel.attend_add_column_sums(ours, layout, kc, vc, q, starts, seq, blocks,
+                                          torch.zeros(len(rows), dtype=torch.bool), scale,
+                                          torch.zeros(h, 0))
+        qsl, sl = starts.int(), seq.int()
+        md = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(rows), num_heads=h * g, num_kv_heads=h, head_dim=d, seq_lens=sl,
+            dtype=q.dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1,
+            isa="amx", enable_kv_split=False)
+        theirs = torch.empty_like(q)
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=kc, value_cache=vc, output=theirs, query_start_loc=qsl,
+            seq_lens=sl, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
+            block_table=blocks.int(), softcap=0.0, scheduler_metadata=md, s_aux=None,
+            k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        ref, _ = _reference(layout, kc, vc, blocks, starts, seq, q, scale, rows=rows)
+        err_ours, err_theirs = (torch.amax((x.double() - ref).abs()) for x in (ours, theirs))
+        assert err_theirs < 0.1  # vLLM's kernel did attend this layout
+        assert err_ours <= 1.25 * err_theirs, (float(err_ours), float(err_theirs))
+
+
 def test_fused_pass_refuses_a_layout_it_cannot_read(path):
-    """vLLM's amx layout keeps values in pairs of tokens: not offered, and the
-    kernel itself refuses it rather than read it wrongly."""
-    _, dtype = path
+    """vLLM's amx layout keeps values in pairs of tokens: the AVX-512 BF16
+    path reads it, the AVX2 path does not (not offered there, and the kernel
+    itself refuses it rather than read it wrongly)."""
+    isa, dtype = path
     bs, d, h = 32, 64, 2
-    tiles_amx = (2, 16, 0, 32, 1, 512, 2)  # vLLM amx's value tiling at D 64
-    layout = KVLayout("amx", dtype, bs, d, h, None, None, (16, 2, 0, 1024, 2, 32, 1), tiles_amx)
-    assert not cpu_kernel.fuses_attention(layout, dtype)
+    layout = KVLayout("amx", dtype, bs, d, h, None, None, *cpu_kernel.amx_tiles(bs, d))
+    assert cpu_kernel.fuses_attention(layout, dtype) == (isa == "avx512bf16")
+    if isa == "avx512bf16":
+        return
     kv = torch.zeros(4, h, bs, 2 * d, dtype=dtype)
     kc, vc = layout.split(kv)
     q = torch.zeros(1, h, d, dtype=dtype)
@@ -247,7 +340,8 @@ def test_fused_pass_refuses_a_layout_it_cannot_read(path):
 
 def test_fused_path_follows_the_cpu_and_the_switches(monkeypatch):
     """`cpu_kernel.fused_isa`: bf16 takes AVX-512 BF16 where the CPU has it,
-    else AVX2; float32 takes AVX2; other dtypes have no path.
+    else AVX2; float32 takes AVX2; other dtypes have no path. The engine
+    plans it for vLLM's vec layouts, not its amx one.
     VLLM_KVEVICT_CPU_ISA=avx2 forces AVX2; the engine's switch
     (`fused_attention.enabled`) is off under VLLM_KVEVICT_CPU_FUSED=off and
     under VLLM_KVEVICT_KERNELS=torch, which turns the whole kernel off."""
@@ -264,6 +358,12 @@ def test_fused_path_follows_the_cpu_and_the_switches(monkeypatch):
     assert cpu_kernel.fused_pass_runs(torch.float32, 64, 32)
     assert not cpu_kernel.fused_pass_runs(torch.float32, 72, 32)  # head size not a multiple of 16
     assert fused_attention.enabled()
+    # the engine plans the pass on vLLM's vec layouts only: on amx (AMX
+    # CPUs, bf16) vLLM's tiles attend faster than the pass (`reads`)
+    from types import SimpleNamespace
+    builder = dict(kv_cache_dtype="auto", dtype=torch.bfloat16, head_dim=64, block_size=32)
+    assert fused_attention.reads(SimpleNamespace(isa="vec", **builder))
+    assert not fused_attention.reads(SimpleNamespace(isa="amx", **builder))
     monkeypatch.setenv("VLLM_KVEVICT_CPU_ISA", "avx2")
     assert cpu_kernel.fused_isa(torch.bfloat16) == "avx2"
     monkeypatch.setenv("VLLM_KVEVICT_CPU_FUSED", "off")

@@ -254,14 +254,25 @@ def fused_pass_runs(dtype: torch.dtype, head_size: int, block_size: int) -> bool
             and block_size % 16 == 0)
 
 
+def amx_tiles(block_size: int, head_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(k_tiles, v_tiles) of vLLM's bf16 `amx` layout (KVLayout's tiling):
+    keys [BS/16][D/2][16][2] (16 tokens' dim pairs: vdpbf16ps operands),
+    values [D/16][BS/2][16][2] (token pairs), per block and head."""
+    return (16, 2, 0, 16 * head_size, 2, 32, 1), (2, 16, 0, 32, 1, 16 * block_size, 2)
+
+
 def fuses_attention(layout, dtype: torch.dtype) -> bool:
     """Whether `attend_add_column_sums` reads this cache: `fused_pass_runs`,
     and vLLM's vec layouts (keys [D][BS]: a dim's tokens contiguous; values
-    [BS][D]: a token's dims contiguous, per block and head)."""
+    [BS][D]: a token's dims contiguous, per block and head), or its bf16 amx
+    layout (`amx_tiles`) where the pass runs AVX-512 BF16."""
     d, bs = layout.head_size, layout.block_size
     kt, vt = layout.k_tiles, layout.v_tiles
-    return (fused_pass_runs(dtype, d, bs) and kt is not None and vt is not None
-            and (kt[0], kt[1], kt[2], kt[4], kt[6]) == (bs, d, 0, 1, bs)
+    if not fused_pass_runs(dtype, d, bs) or kt is None or vt is None:
+        return False
+    if (tuple(kt), tuple(vt)) == amx_tiles(bs, d):
+        return fused_isa(dtype) == "avx512bf16"
+    return ((kt[0], kt[1], kt[2], kt[4], kt[6]) == (bs, d, 0, 1, bs)
             and (vt[0], vt[1], vt[2], vt[4], vt[6]) == (bs, d, 0, d, 1))
 
 

@@ -31,7 +31,12 @@
 // and pulled by the threads from a shared counter, largest first. A task packs
 // its keys (pack_keys_bf16) and widens its values once, then per row block:
 // logits tile, exps in place, column sums, P V. Values must lie as vLLM's vec
-// layouts keep them, a token's D dims contiguous ([BS][D] per block and head).
+// layouts keep them, a token's D dims contiguous ([BS][D] per block and head),
+// or, on the AVX-512 BF16 path, as its amx layout does: token pairs
+// ([D/16][BS/2][16][2]; a 32-bit lane is one dim of two tokens, widened to
+// float32 by a shift and a mask). vLLM picks amx for bf16 on AMX CPUs; its
+// keys there ([BS/16][D/2][16][2]) are vdpbf16ps operands as stored, which
+// decode rows read in place.
 #include <algorithm>
 #include <atomic>
 
@@ -47,6 +52,7 @@ struct Batch {
   const bool* score;
   int64_t nblk, bs, d, g, hq;
   int64_t qs0, qs1;  // query strides (token, head), in elements
+  bool v_amx;  // values in vLLM's amx layout, [D/16][BS/2][16][2] per block and head
 };
 
 // Rows (token, head, visible) of a task, in token order.
@@ -76,6 +82,19 @@ void widen_values(const at::Tensor& vc, const Batch& b, int64_t r, int64_t h, in
   const uint16_t* base = reinterpret_cast<const uint16_t*>(vc.data_ptr<at::BFloat16>());
   for (int64_t i = 0; i < n; i += b.bs) {
     const uint16_t* src = base + b.blocks[r * b.nblk + i / b.bs] * vc.stride(0) + h * vc.stride(1);
+    if (b.v_amx) {  // a 32-bit lane holds one dim of a token pair: low half, high half
+      const int64_t m = std::min(b.bs, n - i);
+      for (int64_t k = 0; k < m; k += 2)
+        for (int64_t c = 0; c < b.d / 16; ++c) {
+          const __m512i w = _mm512_loadu_si512(src + c * b.bs * 16 + k * 16);
+          float* dst = out + (i + k) * b.d + c * 16;
+          _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+          if (k + 1 < m)
+            _mm512_storeu_ps(dst + b.d, _mm512_castsi512_ps(
+                _mm512_and_si512(w, _mm512_set1_epi32(int32_t(0xFFFF0000u)))));
+        }
+      continue;
+    }
     const int64_t m = std::min(b.bs, n - i) * b.d;  // a block's tokens are contiguous rows
     float* dst = out + i * b.d;
     for (int64_t k = 0; k < m; k += 16) {
@@ -147,14 +166,31 @@ void decode_logits(const Work& w, int64_t r, int64_t h, int64_t n16, const int32
                    float* l, int64_t ld) {
   const __m512i idx = pair_index();
   for (int64_t t = 0; t < n16; t += 16) {
-    const uint16_t* base =
-        reinterpret_cast<const uint16_t*>(key_base<at::BFloat16>(w, r, h, t)) + t % w.bs;
+    const uint16_t* block = reinterpret_cast<const uint16_t*>(key_base<at::BFloat16>(w, r, h, t));
     __m512 acc[G];
     for (int j = 0; j < G; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < hp; ++p) {  // dims 2p, 2p + 1 of 16 tokens, as pack_bf16 makes them
-      const __m512bh kv = (__m512bh)dim_pair_bf16(base + 2 * p * w.bs, base + (2 * p + 1) * w.bs, idx);
-      for (int j = 0; j < G; ++j)
-        acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32(qp[j * hp + p]), kv);
+    if (w.tiles.amx) {  // [BS/16][D/2][16][2]: dims 2p, 2p + 1 of 16 tokens stored as one operand
+      // even and odd dim pairs into separate sums: twice the independent
+      // vdpbf16ps chains (a group of 3 heads alone waits on their latency)
+      const uint16_t* base = block + w.tiles.tok[t % w.bs];
+      __m512 odd[G];
+      for (int j = 0; j < G; ++j) odd[j] = _mm512_setzero_ps();
+      for (int64_t p = 0; p < hp; p += 2) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(base + p * 32);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(base + p * 32 + 32);
+        for (int j = 0; j < G; ++j) {
+          acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32(qp[j * hp + p]), k0);
+          odd[j] = _mm512_dpbf16_ps(odd[j], (__m512bh)_mm512_set1_epi32(qp[j * hp + p + 1]), k1);
+        }
+      }
+      for (int j = 0; j < G; ++j) acc[j] = _mm512_add_ps(acc[j], odd[j]);
+    } else {
+      const uint16_t* base = block + t % w.bs;
+      for (int64_t p = 0; p < hp; ++p) {  // dims 2p, 2p + 1 of 16 tokens, as pack_bf16 makes them
+        const __m512bh kv = (__m512bh)dim_pair_bf16(base + 2 * p * w.bs, base + (2 * p + 1) * w.bs, idx);
+        for (int j = 0; j < G; ++j)
+          acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32(qp[j * hp + p]), kv);
+      }
     }
     for (int j = 0; j < G; ++j) _mm512_storeu_ps(l + j * ld + t, acc[j]);
   }
@@ -172,6 +208,27 @@ void decode_pv(const at::Tensor& vc, const Batch& b, int64_t r, int64_t h, int64
   for (int64_t i0 = 0; i0 < n; i0 += b.bs) {
     const uint16_t* src = cache + b.blocks[r * b.nblk + i0 / b.bs] * vc.stride(0) + h * vc.stride(1);
     const int64_t m = std::min(b.bs, n - i0);
+    if (b.v_amx) {  // token pairs: a 32-bit lane holds one dim of both (low, high half)
+      const __m512i hi_half = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+      for (int64_t i = 0; i < m; i += 2) {
+        const bool pair = i + 1 < m;  // an odd tail's partner slot is unwritten: never read it
+        __m512 p0[JN], p1[JN];
+        for (int j = 0; j < JN; ++j) {
+          p0[j] = _mm512_set1_ps(p[j * ld + i0 + i]);
+          p1[j] = _mm512_set1_ps(pair ? p[j * ld + i0 + i + 1] : 0.0f);
+        }
+        for (int c = 0; c < DV; ++c) {
+          const __m512i w = _mm512_loadu_si512(src + c * b.bs * 16 + i * 16);
+          const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+          for (int j = 0; j < JN; ++j) acc[j][c] = _mm512_fmadd_ps(p0[j], lo, acc[j][c]);
+          if (pair) {
+            const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(w, hi_half));
+            for (int j = 0; j < JN; ++j) acc[j][c] = _mm512_fmadd_ps(p1[j], hi, acc[j][c]);
+          }
+        }
+      }
+      continue;
+    }
     for (int64_t i = 0; i < m; ++i) {
       __m512 vr[DV];
       for (int c = 0; c < DV; ++c)
@@ -241,7 +298,7 @@ void decode_row(const Work& w, const at::Tensor& vc, const Batch& b, const Task&
 // its group's heads at most 8 at a time; false where it is not one (run_task packs).
 bool run_decode(const Work& w, const at::Tensor& vc, const Batch& b, const Task& t, const uint16_t* q,
                 uint16_t* out, float* col, std::vector<float>& logits, std::vector<int32_t>& qp) {
-  if (!w.tiles.rows || t.splits != 1 || b.starts[t.r + 1] - b.starts[t.r] != 1) return false;
+  if (!(w.tiles.rows || w.tiles.amx) || t.splits != 1 || b.starts[t.r + 1] - b.starts[t.r] != 1) return false;
   for (int64_t j0 = 0; j0 < b.g; j0 += 8) {
     switch (std::min<int64_t>(8, b.g - j0)) {
       case 1: decode_row<1>(w, vc, b, t, j0, q, out, col, logits, qp); break;
@@ -345,8 +402,12 @@ void attend_add_column_sums(at::Tensor out, const at::Tensor& q, const at::Tenso
               "head sizes: D a multiple of 16 up to 128, H_q a multiple of H");
   TORCH_CHECK(bs % 16 == 0, "block size must be a multiple of 16");
   TORCH_CHECK(k_tiles.size() == 7 && v_tiles.size() == 7, "tiles: (T0, D0, base, st1, st0, sd1, sd0)");
-  TORCH_CHECK(v_tiles[0] == bs && v_tiles[1] == d && v_tiles[2] == 0 && v_tiles[4] == d && v_tiles[6] == 1,
-              "values: a token's dims contiguous, [BS][D] per block and head (vLLM's vec layouts)");
+  const bool v_vec = v_tiles[0] == bs && v_tiles[1] == d && v_tiles[2] == 0 && v_tiles[4] == d &&
+                     v_tiles[6] == 1;
+  const bool v_amx = v_tiles == std::vector<int64_t>{2, 16, 0, 32, 1, bs * 16, 2};
+  TORCH_CHECK(v_vec || (v_amx && !avx2),
+              "values: a token's dims contiguous, [BS][D] per block and head (vLLM's vec layouts)",
+              avx2 ? "" : ", or token pairs [D/16][BS/2][16][2] (vLLM's amx layout)");
   TORCH_CHECK(!avx2 || (k_tiles[0] == bs && k_tiles[1] == d && k_tiles[2] == 0 && k_tiles[4] == 1 &&
                         k_tiles[6] == bs),
               "keys: a dim's tokens contiguous, [D][BS] per block and head (vLLM's vec layouts)");
@@ -376,7 +437,7 @@ void attend_add_column_sums(at::Tensor out, const at::Tensor& q, const at::Tenso
                   "blocks name blocks outside the cache");
   }
   const int64_t g = hq / h;
-  fused::Batch b{st, sq, bl, sc, nblk, bs, d, g, hq, q.stride(0), q.stride(1)};
+  fused::Batch b{st, sq, bl, sc, nblk, bs, d, g, hq, q.stride(0), q.stride(1), v_amx};
   Work w{key_cache, bl, nblk, bs, d, g, 0, hq, nullptr, Tiles(k_tiles, bs, d), static_cast<float>(scale)};
   // Splits: about 8 tasks per thread over the step, each (row, head) split in
   // proportion to its logits (causal: len * (seq - len / 2)).

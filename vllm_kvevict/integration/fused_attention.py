@@ -71,9 +71,15 @@ def enabled() -> bool:
 
 
 def reads(builder) -> bool:
-    """Whether the pass reads the caches of this builder's layers: vLLM's
+    """Whether the pass takes the steps of this builder's layers: vLLM's
     vec / vec16 layouts of a bf16 or float32 model and cache, head sizes the
-    kernel takes, a path for the dtype on this CPU, and the pass switched on."""
+    kernel takes, a path for the dtype on this CPU, and the pass switched on.
+
+    Not vLLM's amx layout (bf16 on AMX CPUs), though the kernel reads it
+    (tests/test_fused_attention.py): there vLLM attends with AMX tiles, and
+    the pass (AVX-512 BF16) took 1.25-1.85x vLLM's time on decode steps and
+    2.5-3x on prompt chunks (2-core Xeon, benchmarks/cpu_kernel.py), more
+    than the H2O scoring it saves (results/xeon/cpu_kernel_amx.md)."""
     return (builder.isa in ("vec", "vec16") and builder.kv_cache_dtype == "auto"
             and cpu_kernel.fused_pass_runs(builder.dtype, builder.head_dim, builder.block_size)
             and enabled())
