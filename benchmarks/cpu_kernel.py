@@ -76,6 +76,20 @@ def median_ms(fn, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def medians_ms(fns, reps: int) -> list[float]:
+    """Median ms of each call, the calls taking turns rep by rep (after one
+    warm-up each), so a machine that speeds up or slows down moves them together."""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(1e3 * (time.perf_counter() - t0))
+    return [sorted(ts)[len(ts) // 2] for ts in times]
+
+
 def vllm_attention(ops, isa: str, q: torch.Tensor, kc, vc, rows: torch.Tensor, n: int,
                    causal: bool):
     """vLLM's CPU attention for r requests of nq queries each (q: (r, nq, H*G, D)),
@@ -196,19 +210,19 @@ def decode_table(args, ops, cpu_kernel, layout, layout_isa, kc, vc, nb, gen, pat
         nblk = -(-n // BS)
         rows = torch.stack([torch.randperm(nb, generator=gen)[:nblk] for _ in range(r)])
         q = torch.randn(r, 1, H * G, D, generator=gen).to(args.torch_dtype)
-        t_attn = median_ms(vllm_attention(ops, layout_isa, q, kc, vc, rows, n, True)[0], args.reps)
         qf = torch.randn(r, FLUSH, H * G, D, generator=gen).to(args.torch_dtype)
         vis = torch.full((r, FLUSH), n)
         t_score = min(median_ms(lambda: cpu_kernel.column_sums(layout, kc, qf, vis, rows, 0.125, isa),
                                 args.reps) for isa in paths) / FLUSH
         out, acc = torch.empty(r, H * G, D, dtype=args.torch_dtype), torch.zeros(H, nb * BS)
         starts, seq = torch.arange(r + 1), torch.full((r,), n)
-        t_f = median_ms(lambda: cpu_kernel.attend_add_column_sums(
-            out, layout, kc, vc, q[:, 0], starts, seq, rows, torch.ones(r, dtype=torch.bool),
-            0.125, acc), args.reps)
-        t_0 = median_ms(lambda: cpu_kernel.attend_add_column_sums(
-            out, layout, kc, vc, q[:, 0], starts, seq, rows, torch.zeros(r, dtype=torch.bool),
-            0.125, acc), args.reps)
+        ones, zeros = torch.ones(r, dtype=torch.bool), torch.zeros(r, dtype=torch.bool)
+        t_attn, t_f, t_0 = medians_ms([  # in turns: the ratios are what this table is for
+            vllm_attention(ops, layout_isa, q, kc, vc, rows, n, True)[0],
+            lambda: cpu_kernel.attend_add_column_sums(out, layout, kc, vc, q[:, 0], starts, seq,
+                                                      rows, ones, 0.125, acc),
+            lambda: cpu_kernel.attend_add_column_sums(out, layout, kc, vc, q[:, 0], starts, seq,
+                                                      rows, zeros, 0.125, acc)], args.reps)
         lines.append(f"| {name} | {t_attn:.3f} | {t_score:.3f} | {t_f:.3f} | {t_f / t_attn:.2f}"
                      f" | {t_f / (t_attn + t_score):.2f} | {t_0:.3f} | {t_0 / t_attn:.2f} |")
         print(lines[-1], file=sys.stderr, flush=True)

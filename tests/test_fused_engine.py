@@ -1,7 +1,8 @@
 """The fused CPU attention pass in the real engine (integration/fused_attention.py):
 SmolLM2-135M through vLLM with each policy, prompts over their budget, in the
 CPU's native dtype (bf16 on AVX-512 BF16: that path; float32 elsewhere: avx2;
-float32 on AMX CPUs too, where vLLM's bf16 cache is in its `amx` layout).
+float32 on AMX CPUs too, where vLLM's bf16 cache is in its `amx` layout:
+test_fused_engine_amx.py).
 
 Each request's prompt (~600 tokens, 256-token chunks) exceeds its 128-token
 budget, so it compacts right after the prompt and no identity promise covers
@@ -20,8 +21,9 @@ from kept_positions import KeptRecorder
 from vllm_kvevict import cpu_kernel, passages
 
 # On an AMX CPU vLLM attends a bf16 cache through its `amx` layout (it takes
-# blocks of 32n only), which the pass does not read (fused_attention.reads):
-# there the engine runs float32, whose `vec` layout the pass reads (avx2).
+# blocks of 32n only), where the pass takes H2O's decode steps alone
+# (fused_attention.wanted; test_fused_engine_amx.py): there this file's
+# engine runs float32, whose `vec` layout the pass reads for every step (avx2).
 PASS_DTYPE = "float32" if cpu_has_amx() else DTYPE
 
 

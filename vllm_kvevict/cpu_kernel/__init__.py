@@ -36,7 +36,7 @@ NAME = "vllm_kvevict_cpu_scores"
 SOURCE = Path(__file__).with_name("column_sums.cpp")
 HEADERS = [Path(__file__).with_name(h)  # included by SOURCE
            for h in ("token_moves.h", "window_projection.h", "fused_attention.h",
-                     "fused_attention_avx2.h")]
+                     "fused_attention_avx2.h", "fused_attention_amx.h")]
 # -fopenmp: at::parallel_for is a header template that runs its tasks on one
 # thread unless the caller is compiled with OpenMP. Linked against libgomp.so.1,
 # the one torch already loaded (same soname), so the kernel shares torch's
@@ -261,6 +261,12 @@ def amx_tiles(block_size: int, head_size: int) -> tuple[tuple[int, ...], tuple[i
     return (16, 2, 0, 16 * head_size, 2, 32, 1), (2, 16, 0, 32, 1, 16 * block_size, 2)
 
 
+def _is_amx(layout) -> bool:
+    return (layout.k_tiles is not None and layout.v_tiles is not None and
+            (tuple(layout.k_tiles), tuple(layout.v_tiles)) ==
+            amx_tiles(layout.block_size, layout.head_size))
+
+
 def fuses_attention(layout, dtype: torch.dtype) -> bool:
     """Whether `attend_add_column_sums` reads this cache: `fused_pass_runs`,
     and vLLM's vec layouts (keys [D][BS]: a dim's tokens contiguous; values
@@ -270,7 +276,7 @@ def fuses_attention(layout, dtype: torch.dtype) -> bool:
     kt, vt = layout.k_tiles, layout.v_tiles
     if not fused_pass_runs(dtype, d, bs) or kt is None or vt is None:
         return False
-    if (tuple(kt), tuple(vt)) == amx_tiles(bs, d):
+    if _is_amx(layout):
         return fused_isa(dtype) == "avx512bf16"
     return ((kt[0], kt[1], kt[2], kt[4], kt[6]) == (bs, d, 0, 1, bs)
             and (vt[0], vt[1], vt[2], vt[4], vt[6]) == (bs, d, 0, d, 1))
@@ -291,10 +297,29 @@ def attend_add_column_sums(out: torch.Tensor, layout, key_cache: torch.Tensor,
     score_rows (R,) bool; scores (H, NB * BS)
     float32, added at each scored row's slots (rows must not share blocks).
     With no row scored the pass is attention alone and scores may be (H, 0)."""
-    path = fused_isa(key_cache.dtype)
+    path, k_tiles, v_tiles = _pass_path(layout, key_cache.dtype,
+                                        os.environ.get("VLLM_KVEVICT_CPU_ISA"))
+    module().attend_add_column_sums(out, query, key_cache, value_cache, _as(starts, torch.int64),
+                                    _as(seq, torch.int64), _as(blocks, torch.int64),
+                                    _as(score_rows, torch.bool), float(scale),
+                                    k_tiles, v_tiles, scores, path)
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a contiguous `dtype` tensor, itself where it already is one (the
+    engine's step tensors: a conversion call costs a microsecond or two)."""
+    return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
+
+
+@functools.lru_cache(maxsize=64)
+def _pass_path(layout, dtype: torch.dtype, forced: str | None) -> tuple[str, list, list]:
+    """(path, k_tiles, v_tiles) of `attend_add_column_sums` for a layout and
+    cache dtype under VLLM_KVEVICT_CPU_ISA=`forced`: worked out once, since a
+    call per layer and step of a small batch takes tens of microseconds, and
+    the path's lookups (`isa`, `fused_isa`) took 13 of them (16 x 200 tokens)."""
+    path = fused_isa(dtype)
     if path is None:
-        raise RuntimeError(f"the fused pass has no path here for a {key_cache.dtype} cache")
-    module().attend_add_column_sums(out, query, key_cache, value_cache, starts.long().contiguous(),
-                                    seq.long().contiguous(), blocks.long().contiguous(),
-                                    score_rows.bool().contiguous(), float(scale),
-                                    list(layout.k_tiles), list(layout.v_tiles), scores, path)
+        raise RuntimeError(f"the fused pass has no path here for a {dtype} cache")
+    if path == "avx512bf16" and isa() == "amx" and _is_amx(layout):
+        path = "amx"  # decode rows on AMX tiles (fused_attention_amx.h), as vLLM attends there
+    return path, list(layout.k_tiles), list(layout.v_tiles)

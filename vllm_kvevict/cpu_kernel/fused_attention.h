@@ -44,7 +44,8 @@ namespace fused {
 
 struct Task {
   int64_t r, h, split, splits, work;
-  int64_t col;  // offset of its column sums in the shared buffer, or -1 (row not scored)
+  int64_t col;  // offset of its column sums in the shared buffer, or -1 (none there)
+  bool direct;  // its column sums go straight into the scores at its slots (amx decode rows)
 };
 
 struct Batch {
@@ -53,6 +54,9 @@ struct Batch {
   int64_t nblk, bs, d, g, hq;
   int64_t qs0, qs1;  // query strides (token, head), in elements
   bool v_amx;  // values in vLLM's amx layout, [D/16][BS/2][16][2] per block and head
+  bool tiles;  // the amx path: decode rows on that layout take AMX tiles (fused_attention_amx.h)
+  float* scores;  // (H, slots) where `direct` tasks add their column sums
+  int64_t slots;
 };
 
 // Rows (token, head, visible) of a task, in token order.
@@ -71,6 +75,8 @@ void task_rows(const Batch& b, const Task& t, std::vector<int64_t>& tok, std::ve
 }
 
 }  // namespace fused
+
+#include "fused_attention_amx.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
@@ -315,7 +321,7 @@ bool run_decode(const Work& w, const at::Tensor& vc, const Batch& b, const Task&
 }
 
 struct Scratch {
-  std::vector<uint16_t> keys;
+  std::vector<uint16_t> keys, pb, qb;
   std::vector<float> values, logits;
   std::vector<int32_t> qp;
   std::vector<int64_t> tok, head, vis;
@@ -323,6 +329,8 @@ struct Scratch {
 
 void run_task(const Work& w, const at::Tensor& vc, const Batch& b, const Task& t, const uint16_t* q,
               uint16_t* out, float* col, Scratch& s) {
+  if (b.tiles && run_decode_amx(w, vc, b, t, q, out, col, s.logits, s.pb, s.qb)) return;
+  TORCH_CHECK(!t.direct, "a direct task is an amx decode row");
   if (run_decode(w, vc, b, t, q, out, col, s.logits, s.qp)) return;
   task_rows(b, t, s.tok, s.head, s.vis);
   if (s.tok.empty()) return;
@@ -383,8 +391,8 @@ void attend_add_column_sums(at::Tensor out, const at::Tensor& q, const at::Tenso
                             const at::Tensor& seq, const at::Tensor& blocks,
                             const at::Tensor& score_rows, double scale, std::vector<int64_t> k_tiles,
                             std::vector<int64_t> v_tiles, at::Tensor scores, const std::string& isa) {
-  const bool avx2 = isa == "avx2";
-  TORCH_CHECK(avx2 || isa == "avx512bf16", "the fused pass runs avx512bf16 or avx2, not ", isa);
+  const bool avx2 = isa == "avx2", amx = isa == "amx";
+  TORCH_CHECK(avx2 || amx || isa == "avx512bf16", "the fused pass runs amx, avx512bf16 or avx2, not ", isa);
   TORCH_CHECK(supports(isa), "this CPU cannot run the fused pass's ", isa, " path");
   const at::ScalarType dt = key_cache.scalar_type();
   TORCH_CHECK(dt == at::kBFloat16 || (avx2 && dt == at::kFloat),
@@ -437,7 +445,10 @@ void attend_add_column_sums(at::Tensor out, const at::Tensor& q, const at::Tenso
                   "blocks name blocks outside the cache");
   }
   const int64_t g = hq / h;
-  fused::Batch b{st, sq, bl, sc, nblk, bs, d, g, hq, q.stride(0), q.stride(1), v_amx};
+  fused::Batch b{st, sq, bl, sc, nblk, bs, d, g, hq, q.stride(0), q.stride(1), v_amx,
+                 amx && v_amx && g <= 16 && d % 32 == 0 && bs % 32 == 0 &&
+                     k_tiles == std::vector<int64_t>{16, 2, 0, 16 * d, 2, 32, 1},
+                 scores.data_ptr<float>(), scores.stride(0)};
   Work w{key_cache, bl, nblk, bs, d, g, 0, hq, nullptr, Tiles(k_tiles, bs, d), static_cast<float>(scale)};
   // Splits: about 8 tasks per thread over the step, each (row, head) split in
   // proportion to its logits (causal: len * (seq - len / 2)).
@@ -460,8 +471,11 @@ void attend_add_column_sums(at::Tensor out, const at::Tensor& q, const at::Tenso
     const int64_t m = (sq[i] + 15) / 16 * 16;
     for (int64_t hh = 0; hh < h; ++hh)
       for (int64_t s = 0; s < splits; ++s) {
-        tasks.push_back({i, hh, s, splits, rw[i] / splits, sc[i] ? cols : -1});
-        if (sc[i]) cols += m;
+        // a decode row on tiles (one query, unsplit) adds into its own slots:
+        // rows name disjoint blocks, heads are disjoint rows of scores
+        const bool direct = sc[i] && b.tiles && len == 1 && splits == 1;
+        tasks.push_back({i, hh, s, splits, rw[i] / splits, sc[i] && !direct ? cols : -1, direct});
+        if (sc[i] && !direct) cols += m;
       }
   }
   std::stable_sort(tasks.begin(), tasks.end(),
@@ -474,8 +488,10 @@ void attend_add_column_sums(at::Tensor out, const at::Tensor& q, const at::Tenso
       const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
       uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
       fused::Scratch s;
+      if (b.tiles) fused::amx_configure_decode(int(g));  // tile state is per thread
       for (size_t i = next++; i < tasks.size(); i = next++)
         fused::run_task(w, value_cache, b, tasks[i], qd, od, col_of(tasks[i]), s);
+      if (b.tiles) fused::amx_release();
     } else if (dt == at::kBFloat16) {
       fused256::Scratch s;
       for (size_t i = next++; i < tasks.size(); i = next++)
