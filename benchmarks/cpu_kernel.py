@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     head = [f"command: `{' '.join([os.path.relpath(sys.executable)] + sys.argv)}`  ",
             f"CPU: {platform.processor() or platform.machine()}, flags `{cpu_kernel.cpu_flags()}`"
             f"; {args.threads} thread(s); vLLM cache layout `{layout_isa}`, {args.dtype}; "
-            f"fused pass: {cpu_kernel.fused_isa(dtype) or '-'}; "
+            f"fused pass: {fused_path(cpu_kernel, layout, dtype)}; "
             f"median of {args.reps}", ""]
     text = "\n".join(head + lines)
     print(text)
@@ -196,6 +196,13 @@ def main(argv=None) -> int:
         with open(args.md, "w") as f:
             f.write(text + "\n")
     return 0
+
+
+def fused_path(cpu_kernel, layout, dtype) -> str:
+    """The fused pass's path on this layout (amx: decode rows on tiles), or "-"."""
+    if not cpu_kernel.fuses_attention(layout, dtype):
+        return "-"
+    return cpu_kernel._pass_path(layout, dtype, os.environ.get("VLLM_KVEVICT_CPU_ISA"))[0]
 
 
 def decode_table(args, ops, cpu_kernel, layout, layout_isa, kc, vc, nb, gen, paths) -> list[str]:
