@@ -1,14 +1,14 @@
 """The fused pass on vLLM's `amx` layout in the real engine: SmolLM2-135M in
 bf16 on an AMX CPU, where vLLM attends with AMX tiles (blocks of 32n).
 
-There the pass takes only H2O's decode steps (integration/fused_attention.wanted:
-its tiles beat vLLM's attention plus the scoring kernel there, not on prompt
-chunks, and not as attention alone). Each request's ~600-token prompt
-exceeds its 128-token budget, so it compacts right after the prompt and its
-decode steps take the pass, whose column sums feed the compactions of its 64
-tokens of decode (one every 32 tokens). The same requests run with the pass
-switched off (VLLM_KVEVICT_CPU_FUSED=off: vLLM's attention, the decode log
-and the scoring kernel), prefix cache reset between the runs.
+There the pass takes H2O's steps only (integration/fused_attention.wanted: its
+tiles beat vLLM's attention plus the scoring kernel, not vLLM's attention
+alone). Each request's ~600-token prompt exceeds its 128-token budget, so it
+compacts right after the prompt: its prompt chunks and decode steps take the
+pass, whose column sums feed that compaction and the ones of its 64 tokens
+of decode (one every 32 tokens). The same requests run with the pass
+switched off (VLLM_KVEVICT_CPU_FUSED=off: vLLM's attention, the chunk and
+decode logs and the scoring kernel), prefix cache reset between the runs.
 """
 import pytest
 from conftest import close, cpu_has_amx, engine_settings, make_llm
@@ -59,7 +59,7 @@ def runs(model_path):
         try:
             tok = llm.get_tokenizer()
             prompts = passages.passages(tok, 3, [f"austen_{n}" for n in passages.AUSTEN[:2]], 600)
-            params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True,
+            params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=5,
                                     extra_args={"kv_budget": 128})
             state, out = worker_state(), {}
             for mode in ("off", "on"):
@@ -72,6 +72,8 @@ def runs(model_path):
                 res = llm.generate(prompts, params, use_tqdm=False)
                 rec.remove()
                 out[mode] = dict(calls, tokens=[list(o.outputs[0].token_ids) for o in res],
+                                 first_top=[{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}
+                                            for o in res],
                                  compactions=[p for _, p in rec.compactions],
                                  layers=len(state.layers), pass_steps=state.cpu_pass_steps - steps)
             yield out
@@ -79,26 +81,32 @@ def runs(model_path):
             close(llm)
 
 
-def test_h2o_decode_steps_take_the_amx_pass_and_prompt_chunks_keep_vllm(runs):
-    """On: every decode-only step went through the pass (vLLM's attention saw
-    none), scoring every row, and no prompt chunk did; off: the pass never ran."""
+def test_h2o_steps_take_the_amx_pass(runs):
+    """On: every step went through the pass, prompt chunks and decode-only
+    steps alike (vLLM's attention saw none), scoring every row, no layer
+    logging a query for later scoring; off: the pass never ran."""
     on, off = runs["on"], runs["off"]
     assert on["fused"] > 0 and on["fused"] % on["layers"] == 0
     assert on["pass_steps"] * on["layers"] == on["fused"] and off["pass_steps"] == 0
     assert on["fused"] >= on["layers"] * 60  # 64 tokens: ~62 decode-only steps
-    assert on["vllm_decode_only"] == 0 and on["fused_prompt_rows"] == 0
-    assert on["vllm_prompt_rows"] > 0 and on["scored_rows"] == on["rows"]
-    assert off["fused"] == 0 and off["vllm_decode_only"] > 0
+    assert on["fused_prompt_rows"] >= on["layers"] * 3  # >= 3 chunks of ~600 tokens at 256 a step
+    assert on["vllm_decode_only"] == 0 and on["vllm_prompt_rows"] == 0
+    assert on["scored_rows"] == on["rows"] and on["logged"] == 0
+    assert off["fused"] == 0 and off["vllm_decode_only"] > 0 and off["logged"] > 0
 
 
 def test_amx_pass_scores_drive_the_same_compactions(runs):
-    """The prompts' attention is vLLM's on both runs: first tokens and first
-    compactions equal. The decode compactions, scored by the pass (on) or by
-    the decode log's kernel (off), keep nearly the same tokens: the same
-    float32 logits and probabilities, over queries that differ only where
-    the outputs (bf16 probabilities in both kernels' P V) tip a rounding."""
+    """The pass and the unfused path (vLLM's amx attention, then the scoring
+    kernel) compute the same float32 logits and probabilities, and both
+    multiply bf16 probabilities by the values, in another order: each first
+    token is the unfused run's or ties with it there, and every compaction
+    (after the prompt, then in decode) keeps nearly the same tokens per
+    (layer, head)."""
     on, off = runs["on"], runs["off"]
-    assert [t[0] for t in on["tokens"]] == [t[0] for t in off["tokens"]]
+    for tokens, top in zip(on["tokens"], off["first_top"]):
+        # the unfused run's argmax, or a near tie of it there (measured: one
+        # request of two, tokens 28 and 30 at equal bf16 logprobs)
+        assert tokens[0] in top and top[tokens[0]] >= max(top.values()) - 0.25, (tokens[0], top)
     assert len(on["compactions"]) == len(off["compactions"]) > len(on["tokens"])
     overlaps = []
     for a, b in zip(on["compactions"], off["compactions"]):
@@ -106,6 +114,4 @@ def test_amx_pass_scores_drive_the_same_compactions(runs):
         same = sum(len(set(x.tolist()) & set(y.tolist()))
                    for x, y in zip(a.flatten(0, 1), b.flatten(0, 1)))
         overlaps.append(same / a.numel())
-    n = len(on["tokens"])
-    assert min(overlaps[:n]) == 1.0, overlaps  # after the prompt: vLLM's attention both times
-    assert min(overlaps[n:]) >= 0.9, overlaps
+    assert min(overlaps) >= 0.95, overlaps  # measured 0.990-0.992

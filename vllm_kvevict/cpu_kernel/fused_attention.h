@@ -321,7 +321,7 @@ bool run_decode(const Work& w, const at::Tensor& vc, const Batch& b, const Task&
 }
 
 struct Scratch {
-  std::vector<uint16_t> keys, pb, qb;
+  std::vector<uint16_t> keys;
   std::vector<float> values, logits;
   std::vector<int32_t> qp;
   std::vector<int64_t> tok, head, vis;
@@ -329,8 +329,6 @@ struct Scratch {
 
 void run_task(const Work& w, const at::Tensor& vc, const Batch& b, const Task& t, const uint16_t* q,
               uint16_t* out, float* col, Scratch& s) {
-  if (b.tiles && run_decode_amx(w, vc, b, t, q, out, col, s.logits, s.pb, s.qb)) return;
-  TORCH_CHECK(!t.direct, "a direct task is an amx decode row");
   if (run_decode(w, vc, b, t, q, out, col, s.logits, s.qp)) return;
   task_rows(b, t, s.tok, s.head, s.vis);
   if (s.tok.empty()) return;
@@ -487,11 +485,16 @@ void attend_add_column_sums(at::Tensor out, const at::Tensor& q, const at::Tenso
     if (!avx2) {
       const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
       uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-      fused::Scratch s;
-      if (b.tiles) fused::amx_configure_decode(int(g));  // tile state is per thread
-      for (size_t i = next++; i < tasks.size(); i = next++)
-        fused::run_task(w, value_cache, b, tasks[i], qd, od, col_of(tasks[i]), s);
-      if (b.tiles) fused::amx_release();
+      if (b.tiles) {  // every task on tiles (fused_attention_amx.h); tile state is per thread
+        fused::AmxScratch s;  // tiles configured by the first block
+        for (size_t i = next++; i < tasks.size(); i = next++)
+          fused::run_task_amx(w, value_cache, b, tasks[i], qd, od, col_of(tasks[i]), s);
+        fused::amx_release();
+      } else {
+        fused::Scratch s;
+        for (size_t i = next++; i < tasks.size(); i = next++)
+          fused::run_task(w, value_cache, b, tasks[i], qd, od, col_of(tasks[i]), s);
+      }
     } else if (dt == at::kBFloat16) {
       fused256::Scratch s;
       for (size_t i = next++; i < tasks.size(); i = next++)

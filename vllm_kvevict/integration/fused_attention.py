@@ -36,7 +36,7 @@ all its layers:
     cache (`cpu_kernel.fused_isa`: AVX-512 BF16 for bf16 where the CPU has it,
     else AVX2 + FMA), with no sliding window, ALiBi, soft-cap or sinks (the
     backend refuses those); or its amx attention (bf16 on AMX CPUs), for
-    H2O's decode steps only, which the pass runs on AMX tiles (`wanted`);
+    H2O only, whose steps the pass runs on AMX tiles there (`wanted`);
   - VLLM_KVEVICT_CPU_FUSED is `on` (the default; `off` keeps vLLM's
     attention everywhere, for comparisons).
 """
@@ -74,9 +74,9 @@ def enabled() -> bool:
 def reads(builder) -> bool:
     """Whether the pass may take the steps of this builder's layers: vLLM's
     vec / vec16 layouts of a bf16 or float32 model and cache, or its amx
-    layout (bf16 on AMX CPUs) where the kernel's path is amx (decode rows on
-    AMX tiles; `wanted` narrows amx steps further); head sizes the kernel
-    takes, a path for the dtype on this CPU, and the pass switched on."""
+    layout (bf16 on AMX CPUs) where the kernel's path is amx (AMX tiles;
+    `wanted` takes it there for H2O only); head sizes the kernel takes, a
+    path for the dtype on this CPU, and the pass switched on."""
     layout_read = builder.isa in ("vec", "vec16") or (
         builder.isa == "amx" and cpu_kernel.isa() == "amx"
         and cpu_kernel.fused_isa(builder.dtype) == "avx512bf16")
@@ -90,13 +90,12 @@ def wanted(builder, state, cm) -> bool:
     cm: the physical CommonAttentionMetadata of the step."""
     if state.private.tokens or state.cfg.offload or not reads(builder):
         return False
-    # On vLLM's amx layout (bf16, AMX CPUs) only decode steps (one query a
-    # row) of a policy whose scores come from the pass (H2O): there its tiles
-    # (fused_attention_amx.h) took 0.80-1.00x vLLM's AMX attention plus the
-    # scoring kernel's share of a flush, but attention alone 0.85-1.12x
-    # vLLM's, and prompt chunks (AVX-512 BF16, not tiles) about 3x (2-core
-    # Xeon, benchmarks/cpu_kernel.py, results/xeon/cpu_kernel_amx.md).
-    if builder.isa == "amx" and not (records(state) and cm.max_query_len == 1):
+    # On vLLM's amx layout (bf16, AMX CPUs) only a policy whose scores come
+    # from the pass (H2O): its tiles (fused_attention_amx.h) took 0.54-0.61x
+    # vLLM's AMX attention plus the scoring kernel on prompt chunks and
+    # 0.86-1.02x on decode steps, but attention alone 0.94-1.13x vLLM's
+    # (2-core Xeon, benchmarks/cpu_kernel.py, results/xeon/cpu_kernel_amx.md).
+    if builder.isa == "amx" and not records(state):
         return False
     return state.all_rows_diverge(cm.num_reqs)
 
