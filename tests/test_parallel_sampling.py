@@ -67,7 +67,7 @@ def test_children_and_beams_within_budget_are_stocks_tokens(llm, stock):
     assert max(len(tokenizer(p).input_ids) for p in LONG) + MAX_TOKENS <= SERVER_BUDGET
     (manager,) = attach(llm).managers()
     compactions0 = manager.num_compactions
-    llm.reset_prefix_cache()  # as stock's fresh engine: the same prefix hits
+    assert llm.reset_prefix_cache()  # as stock's fresh engine: the same prefix hits
     outs = _sample(llm)
     children = [[list(c.token_ids) for c in o.outputs] for o in outs]
     assert [len(c) for c in children] == [N] * len(LONG)
@@ -86,7 +86,7 @@ def test_children_compact_their_shared_prompt_and_free_every_block(llm):
     and every child after the first starts on the first one's cached blocks."""
     (manager,) = attach(llm).managers()
     compactions0, evicted0 = manager.num_compactions, manager.num_tokens_evicted
-    llm.reset_prefix_cache()
+    assert llm.reset_prefix_cache()
     probe = attach(llm)
     outs = _sample(llm, {"kv_budget": 64})
     assert all(o.num_cached_tokens >= 64 for o in outs)  # siblings shared blocks
