@@ -8,7 +8,9 @@ HOW: after the stock schedule(), drain the plans of every
      with the output to mp / Ray workers). Plans of requests that were freed
      in the same step (preempted, aborted) were already dropped by the manager.
      New requests that can never exceed the budget are listed as unscored,
-     those that compact right after their prompt as evict_after_prompt;
+     those that compact right after their prompt as evict_after_prompt (never
+     a pooling request: it ends with its prompt, so vLLM's attention serves
+     it, as in stock vLLM, unless a short pool compacts it between chunks);
      H2O requests that start with shared blocks, with their shared length.
      Also writes the eviction counters for /metrics (integration/metrics.py).
      Before the stock schedule(), hands each manager the scheduler's requests
@@ -49,7 +51,8 @@ def apply() -> None:
                 cfg = managers[0].request_config(new.req_id)
                 if never_compacts(cfg, req.num_prompt_tokens, req.max_tokens):
                     step.unscored.append(new.req_id)
-                elif evicts_after_prompt(cfg, req.num_prompt_tokens, managers[0].block_size):
+                elif (req.pooling_params is None  # a pooling request never decodes
+                      and evicts_after_prompt(cfg, req.num_prompt_tokens, managers[0].block_size)):
                     step.evict_after_prompt.append(new.req_id)
             setattr(output, STEP_ATTR, step)
             for m in managers:
