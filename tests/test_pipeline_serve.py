@@ -6,7 +6,7 @@ SmolLM2-135M (30 layers: 15 per stage), H2O at budget 64, a 140-token
 completion (compacted three times), one core per stage
 (VLLM_CPU_OMP_THREADS_BIND="0|1"). Per server:
 - the completion is served and `/metrics` shows compactions, the worker
-  time spent compacting on both stages (`compaction_seconds_total{rank}`: one
+  time spent compacting on both stages (`compaction_seconds_total{engine,rank}`: one
   series per worker, rank = stage x TP size + TP rank), and vLLM's KV usage back
   to 0 after it (every block back in the pool the two stages share);
 - `mp`: the second stage's worker is SIGKILLed while three streams generate
@@ -60,8 +60,8 @@ def serve_and_check(srv: Server) -> None:
     assert srv.metric("vllm_kvevict_compactions_total") >= 3
     seconds = {k: v for k, v in m.items()
                if k.startswith("vllm_kvevict_compaction_seconds_total")}
-    assert sorted(seconds) == ['vllm_kvevict_compaction_seconds_total{rank="0"}',
-                               'vllm_kvevict_compaction_seconds_total{rank="1"}'], seconds
+    assert sorted(seconds) == ['vllm_kvevict_compaction_seconds_total{engine="0",rank="0"}',
+                               'vllm_kvevict_compaction_seconds_total{engine="0",rank="1"}'], seconds
     assert all(v > 0 for v in seconds.values()), seconds
     assert sum(v for k, v in m.items() if k.startswith("vllm:kv_cache_usage_perc")) == 0
 

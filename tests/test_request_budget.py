@@ -77,7 +77,7 @@ def test_request_budget_bounds_its_blocks_and_shows_in_metrics(llm):
     assert m[("vllm_kvevict_tokens_evicted_total", ())] == manager.num_tokens_evicted > 0
     assert m[("vllm_kvevict_blocks_freed_total", ())] == manager.num_blocks_freed
     assert m[("vllm_kvevict_compactions_total", ())] == manager.num_compactions
-    assert m[("vllm_kvevict_compaction_seconds_total", (("rank", "0"),))] > 0
+    assert m[("vllm_kvevict_compaction_seconds_total", (("engine", "0"), ("rank", "0")))] > 0
     # Idle engine: nothing resident, logically or physically.
     assert m[("vllm_kvevict_resident_tokens", (("kind", "logical"),))] == 0
     assert m[("vllm_kvevict_resident_tokens", (("kind", "physical"),))] == 0

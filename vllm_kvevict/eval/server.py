@@ -138,12 +138,16 @@ class Server:
             return f.read()
 
     def metrics(self) -> dict[str, float]:
-        """`/metrics` as {sample name with labels: value} (Prometheus text format)."""
+        """`/metrics` as {sample name with labels: value} (Prometheus text format).
+        A sample named twice (the same labels) is an error: Prometheus rejects
+        such a scrape's duplicates, and a dict would hide one of them."""
         text = requests.get(self.url + "/metrics", timeout=10).text
         out = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
                 name, _, value = line.rpartition(" ")
+                if name in out:
+                    raise AssertionError(f"/metrics has {name} twice")
                 out[name] = float(value)
         return out
 

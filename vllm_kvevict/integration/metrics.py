@@ -18,6 +18,11 @@ last value by a timer (`write_soon`), so an engine gone idle still shows all
 of it (a write, mostly its `os.replace`, cost 0.4% of the demo's h2o steps at
 four a second on the Xeon).
 
+Counters and gauges without labels are sums over the server's engines
+(`--data-parallel-size`); a worker's series carry vLLM's own `engine` label
+(the data-parallel rank) and `rank` (its rank within that engine), so no two
+workers of a server share one.
+
     vllm_kvevict_info{policy,budget,recent,sink,window}   1
     vllm_kvevict_tokens_evicted_total       tokens dropped by compactions
     vllm_kvevict_blocks_freed_total         KV blocks returned to vLLM's BlockPool
@@ -25,12 +30,12 @@ four a second on the Xeon).
     vllm_kvevict_prefill_fallbacks_total    of them, between prompt chunks (memory short)
     vllm_kvevict_resident_tokens{kind}      running requests' KV tokens:
                                             kind="logical" (seen), "physical" (held)
-    vllm_kvevict_compaction_seconds_total{rank}  worker time spent compacting
-    vllm_kvevict_cpu_pass_steps_total{rank}  steps whose attention came from the
+    vllm_kvevict_compaction_seconds_total{engine,rank}  worker time spent compacting
+    vllm_kvevict_cpu_pass_steps_total{engine,rank}  steps whose attention came from the
                                             plugin's CPU pass, not vLLM's
-    vllm_kvevict_scoring_path_info{rank,path}   where a worker scores: "cpu-kernel
+    vllm_kvevict_scoring_path_info{engine,rank,path}   where a worker scores: "cpu-kernel
                                             avx512bf16|avx2", or "torch (why)"
-    vllm_kvevict_host_entries_offloaded_total{rank}  offload only: (layer, KV head,
+    vllm_kvevict_host_entries_offloaded_total{engine,rank}  offload only: (layer, KV head,
                                             token) entries a worker wrote to its host tier
 """
 
@@ -141,6 +146,13 @@ def read_snapshots(path: str | None = None) -> list[dict]:
     return out
 
 
+WORKER_LABELS = ["engine", "rank"]
+
+
+def _worker_labels(snapshot: dict) -> list[str]:
+    return [str(snapshot.get("engine", 0)), str(snapshot["rank"])]
+
+
 class EvictionCollector:
     """prometheus_client custom collector over the snapshots (scrape time)."""
 
@@ -151,7 +163,7 @@ class EvictionCollector:
         # One file per KV group of each engine core; token counts are the same
         # in every group of one engine, blocks are per group.
         scheduler = [s for s in snaps if s.get("role") == "scheduler" and s["group"] == 0]
-        workers = [s for s in snaps if s.get("role") == "worker"]
+        workers = sorted((s for s in snaps if s.get("role") == "worker"), key=_worker_labels)
         if not scheduler and not workers:
             return  # eviction off, or nothing ran yet
         if scheduler:
@@ -179,31 +191,31 @@ class EvictionCollector:
         if workers:
             seconds = CounterMetricFamily(
                 "vllm_kvevict_compaction_seconds", "Worker time spent compacting KV",
-                labels=["rank"])
+                labels=WORKER_LABELS)
             for s in workers:
-                seconds.add_metric([str(s["rank"])], s["compaction_seconds"])
+                seconds.add_metric(_worker_labels(s), s["compaction_seconds"])
             yield seconds
             steps = CounterMetricFamily(
                 "vllm_kvevict_cpu_pass_steps",
                 "Steps whose attention came from the plugin's CPU pass instead of vLLM's "
-                "(requests that all evict anyway)", labels=["rank"])
+                "(requests that all evict anyway)", labels=WORKER_LABELS)
             for s in workers:
-                steps.add_metric([str(s["rank"])], s.get("cpu_pass_steps", 0))
+                steps.add_metric(_worker_labels(s), s.get("cpu_pass_steps", 0))
             yield steps
             where = InfoMetricFamily("vllm_kvevict_scoring_path", "Where each worker scores",
-                                     labels=["rank"])
+                                     labels=WORKER_LABELS)
             for s in workers:
                 if "scoring_path" in s:
-                    where.add_metric([str(s["rank"])], {"path": s["scoring_path"]})
+                    where.add_metric(_worker_labels(s), {"path": s["scoring_path"]})
             yield where
             offload = [s for s in workers if "host_entries_offloaded" in s]
             if offload:
                 host = CounterMetricFamily(
                     "vllm_kvevict_host_entries_offloaded",
                     "(layer, KV head, token) KV entries written to the offload host tier",
-                    labels=["rank"])
+                    labels=WORKER_LABELS)
                 for s in offload:
-                    host.add_metric([str(s["rank"])], s["host_entries_offloaded"])
+                    host.add_metric(_worker_labels(s), s["host_entries_offloaded"])
                 yield host
 
 

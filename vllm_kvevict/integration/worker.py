@@ -71,6 +71,7 @@ class WorkerEviction:
         self.recorder: Recorder = RECORDERS[self.policy.records](self)
         self.layers: dict[str, LayerCache] = {}
         self.runner = None  # the GPUModelRunner (or subclass) of this process
+        self.engine = 0  # data-parallel rank: vLLM's `engine` label (init_worker_state)
         self.evicted: dict[str, int] = {}
         # req_id -> (L_all, H, P) int32 slot of each resident token, oldest first,
         # after its last compaction (fill_holes leaves slots out of order):
@@ -174,7 +175,8 @@ class WorkerEviction:
     def _write_metrics(self) -> None:
         if self._snapshot is None:  # rank and path are fixed for the process: asked once
             self._snapshot = Snapshot("worker")
-            self._identity = {"role": "worker", "rank": _worker_rank(), "scoring_path": cpu_path()}
+            self._identity = {"role": "worker", "engine": self.engine, "rank": _worker_rank(),
+                              "scoring_path": cpu_path()}
         values = {**self._identity, "compaction_seconds": self.compaction_seconds,
                   "cpu_pass_steps": self.cpu_pass_steps}
         if self.offload is not None:  # offload: what the host tier took (none before it exists)
@@ -412,7 +414,7 @@ class WorkerEviction:
 def _worker_rank() -> int:
     """This worker's rank among the model's workers: pp_stage * tp_size + tp_rank
     (the TP rank at one pipeline stage), so no two workers of an engine share a
-    `compaction_seconds_total{rank}` series."""
+    `compaction_seconds_total{engine,rank}` series."""
     stage, tp_size, tp_rank = parallel_ranks()
     return stage * tp_size + tp_rank
 
@@ -434,6 +436,10 @@ def init_worker_state(vllm_config, cfg: EvictionConfig, block_size: int) -> None
     _OWNER = vllm_config
     _STATE = WorkerEviction(cfg, block_size) if cfg.enabled else None
     if _STATE is not None:
+        # The engine's data-parallel rank: vLLM runs a dense model's DP ranks
+        # as independent engines (data_parallel_rank 0 in each) and keeps the
+        # rank in data_parallel_index, as its own `engine` label does.
+        _STATE.engine = vllm_config.parallel_config.data_parallel_index
         if cfg.offload:
             _STATE.offload = OffloadState(vllm_config.model_config.model)
         if _STATE.recorder.scoring:
