@@ -35,6 +35,7 @@ tests/test_import_graph.py fails on a private name used there but not here):
 | integration/offload_connector.py | KVConnectorFactory._registry           | register_connector raises on a second registration; register() runs per process |
 | integration/module_store.py   | KVCacheManager._kvevict_modules (stamped) | one prompt-module store per KV cache manager, created on first use |
 | integration/prompt_modules.py | BaseRenderer._executor                    | the tokenizer thread: PML work runs there, off the event loop, never racing vLLM's tokenization |
+| integration/prompt_modules.py | ParallelConfig._api_process_count (read)  | how many API server processes front the engines: the schema registry is one per process |
 | integration/worker.py         | GPUModelRunner.requests[id].block_ids, .input_batch.req_ids | which blocks a request holds and the batch's row order |
 | integration/cpu_backend.py, cuda_backend.py | kvevict_decode_placement, kvevict_scored_rows, kvevict_host_lens (stamped on attention metadata) | the step's row placement for the score path, built once per step |
 | integration/cpu_backend.py    | Attention._k_scale_float (read)          | an fp8 cache's key scale, folded into the logits' scale as vLLM's CPU backend passes it to its kernels |

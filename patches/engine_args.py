@@ -31,18 +31,24 @@ HOW: add an argument group, one flag per entry of vllm_kvevict/core/config/flags
      which our CUDA backend wraps (integration/backend_select.py -> CUSTOM ->
      cuda_backend.py), has no cascade path. So nothing to set or refuse;
      tests/test_unsupported_settings.py fails if an upgrade brings it back.
+     With the schema routes loaded (VLLM_PLUGINS naming kvevict_modules),
+     refuse more than one API server (--api-server-count, which vLLM sets to
+     the data-parallel size by default): the schema registry is per process.
 UPSTREAM: a plugin API to register engine CLI arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from vllm_kvevict.core.config.settings import EvictionConfig, EvictionConfigError
 from vllm_kvevict.core.config.flags import FLAGS, TABLE
 from vllm_kvevict.integration.settings import canonical, eviction_config
 
 from . import mark_patched
+
+MODULE_ROUTES = "kvevict_modules"  # the schema routes' endpoint plugin (pyproject.toml)
 
 
 def _ours(cfg: EvictionConfig) -> str:
@@ -159,6 +165,12 @@ def apply() -> None:
             self.kv_transfer_config = KVTransferConfig(kv_connector=CONNECTOR_NAME,
                                                        kv_role="kv_both")
             self.enforce_eager = True
+        if MODULE_ROUTES in os.environ.get("VLLM_PLUGINS", "").split(","):
+            from vllm_kvevict.integration.prompt_modules import split_registry_problem
+
+            split = split_registry_problem(self._api_process_count)
+            if split:  # as vLLM refuses runtime LoRA updates with several API servers
+                raise EvictionConfigError(split)
         select_attention_backend(self, cfg)
         vllm_config = create_engine_config.__kvevict_original__(self, *args, **kwargs)
         if cfg.enabled:

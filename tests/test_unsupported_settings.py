@@ -183,3 +183,39 @@ def test_cascade_attention_is_gone_from_vllm():
     assert "cascade attention has been removed" in KVCacheManager.get_num_common_prefix_blocks \
         .__doc__
     assert SchedulerOutput.__dataclass_fields__["num_common_prefix_blocks"].default_factory() == []
+
+
+def test_prompt_modules_behind_several_api_servers_stop_startup_saying_why(model_path):
+    """`VLLM_PLUGINS=kvevict,kvevict_modules vllm serve M --data-parallel-size 2`:
+    vLLM then starts two API servers by default, each with its own schema
+    registry, so a PML prompt would 400 whenever it reached the one that did
+    not register its schema (seen before this refusal). The real command stops
+    before any engine starts, naming the fix, which serves modules on both
+    engines (tests/test_data_parallel_serve.py)."""
+    from vllm_kvevict.eval.server import Server
+
+    srv = Server(model_path, "--data-parallel-size", "2", start_timeout=300,
+                 env={"VLLM_PLUGINS": "kvevict,kvevict_modules"})
+    try:
+        with pytest.raises(RuntimeError, match="vllm serve exited") as refused:
+            srv.start()
+    finally:
+        srv.stop()  # were it to start
+    said = str(refused.value)
+    assert "EvictionConfigError: prompt modules need one API server" in said, said[-2000:]
+    assert "--api-server-count 2 (vLLM's default with --data-parallel-size 2)" in said
+    assert "pass --api-server-count 1" in said
+
+
+def test_prompt_modules_check_the_api_server_count_per_request(model_path):
+    """The same rule where a schema is registered or a PML prompt expanded
+    (prompt_modules._check_engine), for a server whose plugins were named
+    another way: every such request is refused alike, never by chance."""
+    from vllm_kvevict.core.modules.pml import PMLError
+    from vllm_kvevict.integration.prompt_modules import _check_engine
+
+    cfg = serve_config(model_path, "--kv-eviction", "h2o")
+    _check_engine(cfg)  # one API server: fine
+    cfg.parallel_config._api_process_count = 2  # as vLLM's entry sets it in each API server
+    with pytest.raises(PMLError, match="prompt modules need one API server"):
+        _check_engine(cfg)

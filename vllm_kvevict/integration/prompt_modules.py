@@ -83,10 +83,28 @@ def check_limits(limits: ModuleLimits, name: str, *, registered: int, pinned: in
                                     f"allows {cap} of the pool's {pool} blocks")
 
 
+def split_registry_problem(api_servers: int) -> str | None:
+    """Why prompt modules cannot run behind `api_servers` API server processes,
+    or None. The registry lives in one frontend process (REGISTRY), so a PML
+    prompt reaching another API server than the one that registered its schema
+    would be refused as unknown: an intermittent 400, depending on which
+    process took the connection."""
+    if api_servers <= 1:
+        return None
+    return (f"prompt modules need one API server: their schema registry lives in the API "
+            f"server's process, and with --api-server-count {api_servers} (vLLM's default "
+            f"with --data-parallel-size {api_servers}) a prompt reaching another API server "
+            f"than the one that registered its schema would find none; pass "
+            f"--api-server-count 1 (every data-parallel engine still serves modules)")
+
+
 def _check_engine(vllm_config) -> None:
     if not vllm_config.cache_config.enable_prefix_caching:
         raise PMLError("prompt modules reuse blocks through vLLM's prefix-cache path: "
                        "start the engine without --no-enable-prefix-caching")
+    split = split_registry_problem(vllm_config.parallel_config._api_process_count)
+    if split:
+        raise PMLError(split)
     pp = vllm_config.parallel_config.pipeline_parallel_size
     if pp > 1:
         # Refused alone (eviction runs at PP > 1): nothing here is known to
