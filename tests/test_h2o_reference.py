@@ -60,13 +60,20 @@ class DenseH2O:
     Q:         (layers, q_heads, T, head_dim)   post-RoPE queries (for window policies)
     resident:  (layers, kv_heads, T) bool       token t is in head h's cache
     score:     (layers, kv_heads, T) float64    accumulated attention (H2O's F_score terms)
+
+    windowed: (layers,) bool  a hybrid model's sliding-window layers: each query sees
+                              the newest `window` positions (itself included), and
+                              they never evict (tests/test_sliding_window.py)
     """
 
-    def __init__(self, model, total_len: int) -> None:
+    def __init__(self, model, total_len: int, windowed: list[bool] | None = None,
+                 window: int | None = None) -> None:
         self.model, cfg = model, model.config
         self.nl, self.hq, self.hk = (cfg.num_hidden_layers, cfg.num_attention_heads,
                                      cfg.num_key_value_heads)
         self.d = cfg.head_dim
+        self.windowed, self.window = windowed or [False] * self.nl, window
+        self.evicting = [li for li in range(self.nl) if not self.windowed[li]]
         shape = (self.nl, self.hk, total_len)
         self.K = torch.zeros(*shape, self.d)
         self.V = torch.zeros(*shape, self.d)
@@ -97,6 +104,8 @@ class DenseH2O:
             self.resident[li][:, pos] = True  # a new token starts resident, score 0
             # Query i may see key t iff t is resident in this head and t <= pos[i].
             visible = self.resident[li][:, None, :] & (kpos[None, None, :] <= pos[None, :, None])
+            if self.windowed[li]:
+                visible &= kpos[None, None, :] > pos[None, :, None] - self.window
             qg = q[0].view(hk, g, n, d)  # query heads grouped by their KV head
             logits = torch.einsum("hgnd,htd->hgnt", qg, self.K[li]) * at.scaling
             logits = logits.masked_fill(~visible[:, None], float("-inf"))
@@ -110,7 +119,7 @@ class DenseH2O:
 
     def evict(self, target: int, recent: int) -> None:
         """Algorithm 1, lines 11-13, repeated until each head holds `target` tokens."""
-        for li in range(self.nl):
+        for li in self.evicting:
             for h in range(self.hk):
                 res, s = self.resident[li, h], self.score[li, h]
                 order = res.nonzero().flatten()  # resident positions, oldest first
@@ -120,14 +129,18 @@ class DenseH2O:
                     u = alive[s[alive].argmin()]  # least attended: removing it loses least
                     res[u] = False
 
+    def held(self) -> int:
+        """Tokens resident in an evicting layer's cache (every head holds as many)."""
+        return int(self.resident[self.evicting[0], 0].sum())
+
     def kept(self) -> torch.Tensor:
-        """(layers, kv_heads, P) resident logical positions, ascending."""
-        nl, hk, _ = self.resident.shape
-        return self.resident.nonzero()[:, 2].view(nl, hk, -1)
+        """(evicting layers, kv_heads, P) resident logical positions, ascending."""
+        res = self.resident[self.evicting]
+        return res.nonzero()[:, 2].view(len(self.evicting), self.hk, -1)
 
     def set_kept(self, kept: torch.Tensor) -> None:
-        self.resident.zero_()
-        self.resident.scatter_(2, kept, True)
+        res = torch.zeros_like(self.resident[self.evicting])
+        self.resident[self.evicting] = res.scatter_(2, kept, True)
 
 
 def h2o_generate(model, prompt: list[int], max_tokens: int, budget: int, recent: int,
@@ -152,7 +165,7 @@ def h2o_generate(model, prompt: list[int], max_tokens: int, budget: int, recent:
     evictions = []
 
     def maybe_evict(L: int, limit: int) -> None:
-        if int(ref.resident[0, 0].sum()) > limit:
+        if ref.held() > limit:
             ref.evict(budget - block_size, recent)
             scores = ref.score.clone()  # what the eviction ranked by (evict leaves it)
             kept = ref.kept()

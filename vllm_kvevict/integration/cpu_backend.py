@@ -44,6 +44,7 @@ from vllm_kvevict.integration.attention_common import (
 from vllm_kvevict.integration import fused_attention
 from vllm_kvevict.integration.offload_attention import host_decode
 from vllm_kvevict.integration.settings import eviction_config
+from vllm_kvevict.integration.spec import EvictableAttentionSpec
 from vllm_kvevict.integration.worker import init_worker_state, worker_state
 
 
@@ -60,10 +61,47 @@ def layout_for_cache(kv_cache: torch.Tensor, isa: str) -> KVLayout:
     return KVLayout.for_cache(ops.cpu_attn_reshape_and_cache, kv_cache, isa)
 
 
+def check_windows(spec, layer_names, vllm_config) -> None:
+    """Refuse, at startup, a KV cache group eviction cannot serve. Eviction
+    compacts the full-attention group and leaves sliding-window layers to
+    vLLM's hybrid KV cache manager (their window bounds their KV already). It
+    cannot evict where vLLM has put windowed layers in a full-attention group
+    (`--disable-hybrid-kv-cache-manager`: a window read over compacted slots
+    would span other tokens), and has nothing to evict where every layer is
+    windowed."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    def windowed(names=None) -> list[bool]:
+        layers = get_layers_from_vllm_config(vllm_config, Attention, names)
+        return [getattr(layer.impl, "sliding_window", -1) not in (-1, None)
+                for layer in layers.values()]
+
+    if isinstance(spec, SlidingWindowSpec):
+        if all(windowed()):
+            raise ValueError(
+                "--kv-eviction: every attention layer of this model is sliding-window, "
+                "so vLLM already holds at most a window of KV per layer and there is "
+                "nothing to evict; serve it without --kv-eviction")
+    elif any(windowed(layer_names)):
+        raise ValueError(
+            "--kv-eviction: this model's sliding-window layers share a KV cache group "
+            "with its full-attention layers (--disable-hybrid-kv-cache-manager, or vLLM "
+            "turned the hybrid KV cache manager off); eviction compacts the "
+            "full-attention layers only and needs vLLM's hybrid KV cache manager to "
+            "keep the windowed ones apart: drop --disable-hybrid-kv-cache-manager")
+
+
 class EvictingCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.state = worker_state()
+        state = worker_state()
+        if state is not None:
+            check_windows(kv_cache_spec, layer_names, vllm_config)
+        # A sliding-window group (hybrid models) is vLLM's: its manager drops
+        # what leaves the window, and its metadata stays logical.
+        self.state = state if isinstance(kv_cache_spec, EvictableAttentionSpec) else None
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         logical = common_attn_metadata
@@ -104,9 +142,14 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
         # do not, so the process's eviction state is created here.
         init_worker_state(vllm_config, cfg, vllm_config.cache_config.block_size)
         if cfg.enabled and (self.alibi_slopes is not None or self.logits_soft_cap
-                            or self.sliding_window != -1 or self.sinks is not None):
+                            or self.sinks is not None):
             raise ValueError("--kv-eviction supports plain causal attention only "
-                             "(no ALiBi, soft-cap, sliding window or sinks)")
+                             "(no ALiBi, soft-cap or sinks)")
+        # A sliding-window layer of a hybrid model (Gemma 3, gpt-oss-style
+        # alternation) already holds at most its window: vLLM's sliding-window
+        # manager frees the rest, so the layer runs as stock and eviction works
+        # on the full-attention layers, where the KV grows with the context.
+        self.evicts = self.sliding_window == -1
         # An fp8 cache is uint8 bytes to vLLM; the plugin reads it as float8.
         self.kv_view_dtype = FP8_CACHE_DTYPES.get(self.kv_cache_dtype)
         self._kv_view: torch.Tensor | None = None
@@ -133,6 +176,9 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
         if attn_metadata is None:
             return output
         write_kv(self, layer, key, value, kv_cache, attn_metadata)
+        if not self.evicts:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata,
+                                   output, output_scale, output_block_scale)
         make_layout = lambda kv: layout_for_cache(kv, layer.isa)  # noqa: E731
         fused = getattr(attn_metadata, fused_attention.FUSED_ATTR, None)
         if fused is not None and self.attn_type == AttentionType.DECODER:

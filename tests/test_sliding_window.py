@@ -1,0 +1,236 @@
+"""Hybrid models: eviction in the full-attention layers, the sliding-window
+layers left to vLLM.
+
+Models such as Gemma 3 or gpt-oss interleave sliding-window layers (each query
+sees the newest W positions; vLLM's hybrid KV cache manager gives them a KV
+cache group of their own and frees the blocks that leave the window) with
+full-attention layers, whose KV grows with the context. The plugin compacts
+the full-attention group only. The model here is SmolLM2 with its even layers
+made sliding-window through its config's `layer_types` (window 48): real
+weights, a real vLLM engine with two KV cache groups.
+
+  * H2O on it equals the dense reference of tests/test_h2o_reference.py, whose
+    windowed layers see their window and never evict: every kept set of every
+    full-attention (layer, KV head), and the greedy tokens, in float32.
+  * budget >= length, every step scored: token-identical to stock vLLM on the
+    same model.
+  * blocks, by vLLM's req_to_blocks: the full-attention group holds at most
+    the budget's blocks, the window group its window's; the pool is whole after.
+  * refused at startup: the hybrid manager turned off (windowed layers in the
+    full-attention group), a model whose every layer is windowed.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # worker in this process
+
+import pytest
+import torch
+from conftest import close, kv_bytes, run_stock
+from test_h2o_reference import (  # noqa: F401  (fixture one_thread)
+    BLOCK, BUDGET, CHUNK, MAX_TOKENS, PREFILL, RECENT, DenseH2O, KeptSetChecker, _prompts,
+    _vllm_generate, h2o_generate, one_thread)
+
+from vllm_kvevict.core.eviction.planner import max_blocks_per_request
+
+WINDOW = 48  # < BUDGET: the windowed layers see less than the evicting ones keep
+WINDOWED = [li % 2 == 0 for li in range(30)]  # SmolLM2's 30 layers: even ones windowed
+
+
+def hybrid_model(model_path: str, dst, windowed: list[bool]) -> str:
+    """`model_path`'s checkpoint (linked, not copied) with `windowed` layers made
+    sliding-window (config `layer_types`, as Gemma 3's and gpt-oss's configs
+    name them; vLLM's Llama reads it)."""
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(model_path):
+        if name != "config.json":
+            os.symlink(os.path.join(model_path, name), os.path.join(dst, name))
+    with open(os.path.join(model_path, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["num_hidden_layers"] == len(windowed)
+    cfg["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windowed]
+    cfg["sliding_window"] = WINDOW
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(dst)
+
+
+@pytest.fixture(scope="module")
+def hybrid_path(model_path, tmp_path_factory):
+    return hybrid_model(model_path, tmp_path_factory.mktemp("hybrid") / "model", WINDOWED)
+
+
+def _engine(path: str, **kwargs):
+    from vllm import LLM
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # keep the single thread
+        return LLM(path, enforce_eager=True, dtype="float32", block_size=BLOCK,
+                   max_model_len=1024, kv_cache_memory_bytes=64 << 20, seed=0,
+                   max_num_batched_tokens=CHUNK, **kwargs)
+
+
+H2O = {"kv_eviction": "h2o", "kv_budget": BUDGET, "kv_recent": RECENT}
+
+
+@pytest.fixture(scope="module")
+def llm(hybrid_path, engines):
+    from vllm_kvevict.integration.worker import worker_state
+
+    engines.close()  # one in-process engine at a time
+    engine = _engine(hybrid_path, additional_config=H2O)
+    torch._C.set_num_threads(1)
+    assert worker_state() is not None, "no in-process worker state: is multiprocessing on?"
+    yield engine
+    _close_once(engine)
+
+
+def _close_once(engine) -> None:
+    if not getattr(engine, "_closed", False):
+        engine._closed = True
+        close(engine)
+
+
+def _groups(llm):
+    from vllm_kvevict.probe import scheduler_of
+
+    return scheduler_of(llm).kv_cache_manager.coordinator.single_type_managers
+
+
+def test_the_engine_keeps_windowed_layers_apart(llm):
+    """Two KV cache groups: ours (evictable) with the 15 full-attention layers,
+    vLLM's sliding-window manager with the 15 others; only ours registers
+    layers with the worker's eviction state."""
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    from vllm_kvevict.integration.spec import EvictableAttentionManager
+    from vllm_kvevict.integration.worker import worker_state
+
+    kinds = sorted(type(m).__name__ for m in _groups(llm))
+    assert kinds == sorted([EvictableAttentionManager.__name__, SlidingWindowManager.__name__])
+    out = llm.generate(["Name three rivers."], _greedy(4), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
+    layers = [int(n.split(".")[2]) for n in worker_state().layers]
+    assert layers == [li for li, w in enumerate(WINDOWED) if not w]
+
+
+def _greedy(n, **extra):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **extra)
+
+
+@pytest.mark.parametrize("idx,prefill", [(0, "end"), (2, "chunks")])
+def test_h2o_on_a_hybrid_model_matches_dense_reference(llm, hf, idx, prefill):
+    """As test_h2o_reference.py's test, the reference's even layers windowed:
+    had the engine evicted in a windowed layer, or its windowed layers seen
+    other positions than the newest 48 (the full-attention layers' inputs, and
+    so their scores, would change), a kept set or a token would differ."""
+    model, tok = hf
+    prompt = _prompts(tok)[idx]
+    extra, chunk = PREFILL[prefill]
+    got_tokens, snaps, cached = _vllm_generate(llm, prompt, MAX_TOKENS, extra,
+                                               salt=f"hybrid-{idx}-{prefill}")
+    assert cached == 0
+    check = KeptSetChecker(snaps, RECENT)
+    ref_tokens, evictions = h2o_generate(
+        model, prompt, MAX_TOKENS, BUDGET, RECENT, BLOCK, chunk=chunk, on_evict=check,
+        make_ref=lambda m, n: DenseH2O(m, n, windowed=WINDOWED, window=WINDOW))
+    print(f"\nprompt {idx} ({prefill}): {len(prompt)} tokens, compactions at "
+          f"L={[L for L, _, _ in evictions]}, {check.summary()}")
+    assert [p.logical_len for p, _ in snaps] == [L for L, _, _ in evictions]
+    assert len(evictions) >= 2, "the test should exercise repeated compactions"
+    assert not check.report, "\n".join(check.report[:20])
+    # 15 full-attention layers x 3 KV heads per compaction, every one exact.
+    assert check.exact == check.total == len(evictions) * 15 * 3, check.summary()
+    assert got_tokens == ref_tokens
+
+
+def test_each_group_holds_its_bound_and_the_pool_is_whole_after(llm, hf):
+    """Four requests at once, 150-200-token prompts and 120 tokens each: by
+    vLLM's own req_to_blocks, the evictable group never holds more than the
+    budget's blocks per request once decoding, the sliding-window group never
+    more than its window's (vLLM's manager drops the rest: null blocks), and
+    every block is back in vLLM's BlockPool afterwards."""
+    from vllm_kvevict.probe import BlockProbe, attach
+    from vllm_kvevict.integration.spec import EvictableAttentionManager
+
+    class PerGroup(BlockProbe):
+        peak: dict = {}
+
+        def sample(self, output) -> None:
+            super().sample(output)
+            for m in self.managers():
+                for rid, blocks in m.req_to_blocks.items():
+                    req = self.scheduler.requests.get(rid)
+                    # After schedule() num_computed_tokens counts this step's
+                    # tokens: a step that ends the prompt may hold it whole.
+                    if req is None or req.num_computed_tokens <= req.num_prompt_tokens:
+                        continue
+                    held = sum(not b.is_null for b in blocks)
+                    key = "full" if isinstance(m, EvictableAttentionManager) else "window"
+                    self.peak[key] = max(self.peak.get(key, 0), held)
+
+    _, tok = hf
+    prompts = [{"prompt_token_ids": p} for p in _prompts(tok)] + [
+        {"prompt_token_ids": _prompts(tok)[0][::-1]}]
+    probe = attach(llm, PerGroup)
+    evicted0 = sum(getattr(m, "num_tokens_evicted", 0) for m in _groups(llm))
+    outs = llm.generate(prompts, _greedy(120), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 120 for o in outs)
+    evicted = sum(getattr(m, "num_tokens_evicted", 0) for m in _groups(llm)) - evicted0
+    assert evicted >= 4 * 150, evicted
+    assert 0 < probe.peak["full"] <= max_blocks_per_request(BUDGET, BLOCK), probe.peak
+    # The window's blocks plus the one the next token goes to.
+    assert 0 < probe.peak["window"] <= -(-WINDOW // BLOCK) + 1, probe.peak
+    assert probe.used_blocks() == 0
+
+
+def test_scored_within_budget_is_token_identical_to_stock(llm, hybrid_path):
+    """Each request's budget one token under its final length (an engine at
+    --kv-budget 256): every step is scored (H2O's scores grow in every
+    full-attention layer), nothing is evicted, and the tokens equal stock
+    vLLM's on the same hybrid model (a child with VLLM_PLUGINS=""), float32."""
+    from vllm_kvevict.integration.worker import worker_state
+
+    _close_once(llm)  # one in-process engine at a time: the module's is done by now
+    prompts = ["Write a detailed story about a lighthouse keeper who finds a message.",
+               "The GNU General Public License is a free, copyleft license for software "
+               "and other kinds of works. Summarize what copyleft means, and why."]
+    n = 100  # > WINDOW past the prompt: the windowed layers slide
+    engine = _engine(hybrid_path, additional_config={"kv_eviction": "h2o", "kv_budget": 256})
+    try:
+        tok = engine.get_tokenizer()
+        params = [_greedy(n, extra_args={"kv_budget": len(tok(p)["input_ids"]) + n - 1})
+                  for p in prompts]
+        ours = [list(o.outputs[0].token_ids)
+                for o in engine.generate(prompts, params, use_tqdm=False)]
+        assert sum(getattr(m, "num_tokens_evicted", 0) for m in _groups(engine)) == 0
+        layers = worker_state().layers.values()
+        assert len(layers) == 15 and all(float(lc.scores.abs().sum()) > 0 for lc in layers)
+    finally:
+        close(engine)
+    stock = run_stock("stock_generate.py", [hybrid_path, n, BLOCK, "float32",
+                                            kv_bytes("float32")], prompts, "IDS=")
+    assert ours == stock
+
+
+@pytest.mark.parametrize("case", ["hybrid manager off", "every layer windowed"])
+def test_what_eviction_cannot_serve_is_refused_at_startup(llm, hybrid_path, model_path,
+                                                          tmp_path, case):
+    # (after the module's other tests: `llm` is requested only to be closed)
+    """Windowed layers in the full-attention group would read their window over
+    compacted slots; a model of windowed layers only has nothing to evict.
+    Both stop at startup with the reason (not a silent stock run)."""
+    _close_once(llm)  # one in-process engine at a time: the module's is done by now
+    if case == "hybrid manager off":
+        path, kwargs, says = hybrid_path, {"disable_hybrid_kv_cache_manager": True}, \
+            "drop --disable-hybrid-kv-cache-manager"
+    else:
+        path, kwargs, says = hybrid_model(model_path, tmp_path / "m", [True] * 30), {}, \
+            "nothing to evict"
+    with pytest.raises(Exception, match=says):
+        engine = _engine(path, additional_config=H2O, **kwargs)
+        close(engine)
