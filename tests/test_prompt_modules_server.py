@@ -316,7 +316,11 @@ def test_pml_work_runs_off_the_event_loop():
 
     executor = ThreadPoolExecutor(1)
     processor = SimpleNamespace(renderer=SimpleNamespace(_executor=executor), vllm_config=Config())
-    engine = SimpleNamespace(input_processor=processor, vllm_config=Config())
+    async def usage(*args):  # the engine core's ModuleStore.usage(): modules can be shared
+        return {"problem": None}
+
+    engine = SimpleNamespace(input_processor=processor, vllm_config=Config(),
+                             engine_core=SimpleNamespace(call_utility_async=usage))
     prompt = {"type": "token", "prompt": '<prompt schema="s">hi</prompt>', "prompt_token_ids": []}
 
     async def both():

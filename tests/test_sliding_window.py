@@ -102,7 +102,8 @@ def _groups(llm):
 def test_the_engine_keeps_windowed_layers_apart(llm):
     """Two KV cache groups: ours (evictable) with the 15 full-attention layers,
     vLLM's sliding-window manager with the 15 others; only ours registers
-    layers with the worker's eviction state."""
+    layers with the worker's eviction state. A schema of prompt modules is
+    refused: the windowed layers cannot keep a module's KV whole."""
     from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 
     from vllm_kvevict.integration.spec import EvictableAttentionManager
@@ -114,6 +115,14 @@ def test_the_engine_keeps_windowed_layers_apart(llm):
     assert len(out.outputs[0].token_ids) == 4
     layers = [int(n.split(".")[2]) for n in worker_state().layers]
     assert layers == [li for li, w in enumerate(WINDOWED) if not w]
+    # Prompt modules are refused with the reason (ModuleStore.problem), pinning nothing.
+    from vllm_kvevict.core.modules.pml import PMLError
+    from vllm_kvevict.integration import prompt_modules as pm
+
+    with pytest.raises(PMLError, match="sliding-window layers"):
+        pm.register_schema(llm, '<schema name="s"><module name="m">' + "word " * 80
+                           + "</module></schema>")
+    assert pm.pinned_modules(llm) == {}
 
 
 def _greedy(n, **extra):
@@ -122,23 +131,35 @@ def _greedy(n, **extra):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **extra)
 
 
-@pytest.mark.parametrize("idx,prefill", [(0, "end"), (2, "chunks")])
-def test_h2o_on_a_hybrid_model_matches_dense_reference(llm, hf, idx, prefill):
+@pytest.mark.parametrize("idx,prefill,cpu_pass", [(0, "end", "on"), (2, "chunks", "on"),
+                                                  (1, "end", "off")])
+def test_h2o_on_a_hybrid_model_matches_dense_reference(llm, hf, idx, prefill, cpu_pass,
+                                                       monkeypatch):
     """As test_h2o_reference.py's test, the reference's even layers windowed:
     had the engine evicted in a windowed layer, or its windowed layers seen
     other positions than the newest 48 (the full-attention layers' inputs, and
-    so their scores, would change), a kept set or a token would differ."""
+    so their scores, would change), a kept set or a token would differ. With
+    the CPU attention pass off (VLLM_KVEVICT_CPU_FUSED=off) H2O's scores come
+    from the query logs, flushed into the full-attention group's blocks (not
+    the window group's, which is group 0 here)."""
+    from vllm_kvevict.integration import fused_attention
+    from vllm_kvevict.integration.worker import worker_state
+
     model, tok = hf
     prompt = _prompts(tok)[idx]
     extra, chunk = PREFILL[prefill]
+    monkeypatch.setenv("VLLM_KVEVICT_CPU_FUSED", cpu_pass)
+    steps = worker_state().cpu_pass_steps
     got_tokens, snaps, cached = _vllm_generate(llm, prompt, MAX_TOKENS, extra,
                                                salt=f"hybrid-{idx}-{prefill}")
     assert cached == 0
+    in_pass = worker_state().cpu_pass_steps - steps
+    assert in_pass > 0 if cpu_pass == "on" and fused_attention.enabled() else in_pass == 0
     check = KeptSetChecker(snaps, RECENT)
     ref_tokens, evictions = h2o_generate(
         model, prompt, MAX_TOKENS, BUDGET, RECENT, BLOCK, chunk=chunk, on_evict=check,
         make_ref=lambda m, n: DenseH2O(m, n, windowed=WINDOWED, window=WINDOW))
-    print(f"\nprompt {idx} ({prefill}): {len(prompt)} tokens, compactions at "
+    print(f"\nprompt {idx} ({prefill}, pass {cpu_pass}: {in_pass} steps): {len(prompt)} tokens, compactions at "
           f"L={[L for L, _, _ in evictions]}, {check.summary()}")
     assert [p.logical_len for p, _ in snaps] == [L for L, _, _ in evictions]
     assert len(evictions) >= 2, "the test should exercise repeated compactions"
@@ -234,3 +255,38 @@ def test_what_eviction_cannot_serve_is_refused_at_startup(llm, hybrid_path, mode
     with pytest.raises(Exception, match=says):
         engine = _engine(path, additional_config=H2O, **kwargs)
         close(engine)
+
+
+def test_serve_a_hybrid_model_with_eviction(hybrid_path):
+    """`vllm serve HYBRID --kv-eviction h2o --kv-budget 64` with the prompt-module
+    routes: three concurrent completions over the budget served in full;
+    /metrics counts the compactions and evicted tokens (the scheduler's
+    counters come from the full-attention group, group 1 here: read from
+    group 0 they were missing); a schema is refused with the reason (a module's
+    KV cannot be kept whole in windowed layers) and leaves nothing pinned;
+    every block is back in the pool afterwards."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+    from conftest import PROMPTS
+
+    from vllm_kvevict.eval.server import Server
+
+    schema = ('<schema name="city">You are a guide.<module name="paris">Paris is the '
+              'capital of France. The Louvre, the largest art museum in the world, '
+              'stands on the right bank of the Seine.</module></schema>')
+    with Server(hybrid_path, "--kv-eviction", "h2o", "--kv-budget", "64",
+                env={"VLLM_PLUGINS": "kvevict,kvevict_modules"}) as srv:
+        with ThreadPoolExecutor(3) as pool:
+            replies = list(pool.map(lambda p: srv.complete(p, max_tokens=120, ignore_eos=True),
+                                    PROMPTS[:3]))
+        for r in replies:
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 120
+        r = requests.post(srv.url + "/v1/kvevict/schemas", json={"pml": schema}, timeout=60)
+        assert r.status_code == 400 and "sliding-window" in r.text, r.text
+        m = srv.wait_idle()
+        assert m["vllm_kvevict_compactions_total"] >= 3 * 2, m
+        assert m["vllm_kvevict_tokens_evicted_total"] >= 3 * 64, m
+        usage = [v for k, v in m.items() if k.startswith("vllm:kv_cache_usage_perc{")]
+        assert usage == [0.0], usage

@@ -61,7 +61,20 @@ def layout_for_cache(kv_cache: torch.Tensor, isa: str) -> KVLayout:
     return KVLayout.for_cache(ops.cpu_attn_reshape_and_cache, kv_cache, isa)
 
 
-def check_windows(spec, layer_names, vllm_config) -> None:
+def check_one_group(state, layer_names) -> None:
+    """Refuse a second full-attention KV cache group at startup: a compaction
+    plan names one group's blocks, and the worker moves them in every layer it
+    has registered (vLLM makes several such groups only for hybrid models with
+    more full-attention layers than sliding-window ones per group)."""
+    layers = frozenset(layer_names)
+    if state.evictable_layers not in (None, layers):
+        raise ValueError(
+            "--kv-eviction: vLLM split this model's full-attention layers into several "
+            "KV cache groups; eviction compacts one full-attention group only")
+    state.evictable_layers = layers
+
+
+def check_windows(cfg, spec, layer_names, vllm_config) -> None:
     """Refuse, at startup, a KV cache group eviction cannot serve. Eviction
     compacts the full-attention group and leaves sliding-window layers to
     vLLM's hybrid KV cache manager (their window bounds their KV already). It
@@ -78,6 +91,11 @@ def check_windows(spec, layer_names, vllm_config) -> None:
         return [getattr(layer.impl, "sliding_window", -1) not in (-1, None)
                 for layer in layers.values()]
 
+    if cfg.offload and any(windowed()):
+        raise ValueError(
+            "--kv-eviction infinigen / --kv-swap-space: KV offload does not support "
+            "models with sliding-window layers (its KV connector turns vLLM's hybrid "
+            "KV cache manager off); evict without offload (e.g. --kv-eviction h2o)")
     if isinstance(spec, SlidingWindowSpec):
         if all(windowed()):
             raise ValueError(
@@ -98,7 +116,9 @@ class EvictingCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         state = worker_state()
         if state is not None:
-            check_windows(kv_cache_spec, layer_names, vllm_config)
+            check_windows(state.cfg, kv_cache_spec, layer_names, vllm_config)
+            if isinstance(kv_cache_spec, EvictableAttentionSpec):
+                check_one_group(state, layer_names)
         # A sliding-window group (hybrid models) is vLLM's: its manager drops
         # what leaves the window, and its metadata stays logical.
         self.state = state if isinstance(kv_cache_spec, EvictableAttentionSpec) else None

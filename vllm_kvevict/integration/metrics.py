@@ -160,9 +160,12 @@ class EvictionCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
         snaps = read_snapshots()
-        # One file per KV group of each engine core; token counts are the same
-        # in every group of one engine, blocks are per group.
-        scheduler = [s for s in snaps if s.get("role") == "scheduler" and s["group"] == 0]
+        # One file per evictable KV group of each engine core (one, so far: a
+        # hybrid model's is not group 0, its sliding-window groups write none);
+        # token counts are the same in every group of one engine, blocks are per group.
+        groups = [s["group"] for s in snaps if s.get("role") == "scheduler"]
+        scheduler = [s for s in snaps if s.get("role") == "scheduler"
+                     and s["group"] == min(groups)]
         workers = sorted((s for s in snaps if s.get("role") == "worker"), key=_worker_labels)
         if not scheduler and not workers:
             return  # eviction off, or nothing ran yet

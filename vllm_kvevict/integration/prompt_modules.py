@@ -217,6 +217,7 @@ def register_schema(llm, pml: str, cache_salt: str | None = None) -> dict:
     """Encode a schema's modules in `llm` (vllm.LLM); returns its summary.
     With `cache_salt`, only requests with that salt see it."""
     engine = llm.llm_engine
+    _refuse_problem(_call_core(engine.engine_core, "usage", ""))
     layout, requests = prepare_schema(pml, engine.input_processor, engine.vllm_config,
                                       cache_salt=cache_salt)
     try:
@@ -240,6 +241,12 @@ def remove_schema(llm, name: str, cache_salt: str | None = None) -> int:
 def pinned_modules(llm) -> dict:
     """Engine core view: key -> tokens, block ids, vLLM ref counts."""
     return _call_core(llm.llm_engine.engine_core, "describe", "")
+
+
+def _refuse_problem(usage: dict) -> None:
+    """The engine core's reason modules cannot be shared there (ModuleStore.problem)."""
+    if usage.get("problem"):
+        raise PMLError(usage["problem"])
 
 
 def _call_core(client, op: str, arg: str):
@@ -269,9 +276,8 @@ async def register_schema_async(engine, pml: str, limits: ModuleLimits | None = 
     """Encode a schema's modules through `engine` (AsyncLLM); the HTTP route
     passes the server's `limits` (SchemaLimitError when past one)."""
     async with _REGISTERING:
-        usage = None
-        if limits is not None:
-            usage = await engine.engine_core.call_utility_async("kvevict_modules", "usage", "")
+        usage = await engine.engine_core.call_utility_async("kvevict_modules", "usage", "")
+        _refuse_problem(usage)
         layout, requests = await off_loop(engine.input_processor, prepare_schema, pml,
                                           engine.input_processor, engine.vllm_config,
                                           limits, usage, cache_salt)

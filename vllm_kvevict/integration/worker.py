@@ -71,6 +71,10 @@ class WorkerEviction:
         self.recorder: Recorder = RECORDERS[self.policy.records](self)
         self.layers: dict[str, LayerCache] = {}
         self.runner = None  # the GPUModelRunner (or subclass) of this process
+        # The KV cache group the plugin compacts: 0, or a hybrid model's
+        # full-attention group beside vLLM's sliding-window ones (begin_step).
+        self.group_id = 0
+        self.evictable_layers: frozenset[str] | None = None  # its layers (cpu_backend.check_one_group)
         self.engine = 0  # data-parallel rank: vLLM's `engine` label (init_worker_state)
         self.evicted: dict[str, int] = {}
         # req_id -> (L_all, H, P) int32 slot of each resident token, oldest first,
@@ -133,7 +137,9 @@ class WorkerEviction:
     # --- per step (called before the runner's _update_states) -------------------
 
     def begin_step(self, runner, scheduler_output) -> None:
-        self.runner = runner
+        if runner is not self.runner:
+            self.runner = runner
+            self.group_id = evictable_group(runner.kv_cache_config)
         self._step_open = True
         step: EvictionStep | None = getattr(scheduler_output, STEP_ATTR, None)
         if step is None:
@@ -202,7 +208,7 @@ class WorkerEviction:
 
     def _block_ids(self, req_id: str) -> list[int] | None:
         req_state = self.runner.requests.get(req_id) if self.runner else None
-        return None if req_state is None else req_state.block_ids[0]
+        return None if req_state is None else req_state.block_ids[self.group_id]
 
     def all_rows_diverge(self, num_reqs: int) -> bool:
         """Whether no row of the batch is held to stock vLLM's tokens: each
@@ -409,6 +415,16 @@ class WorkerEviction:
         """(L, H, old_len) the policy's scores of one stack's resident tokens,
         oldest first (a method of its own so benchmarks time scoring apart)."""
         return self.policy.compaction_scores(ctx)
+
+
+def evictable_group(kv_cache_config) -> int:
+    """Index of the KV cache group whose spec is ours (spec.py), else 0."""
+    from vllm_kvevict.integration.spec import EvictableAttentionSpec
+
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        if isinstance(group.kv_cache_spec, EvictableAttentionSpec):
+            return i
+    return 0
 
 
 def _worker_rank() -> int:
