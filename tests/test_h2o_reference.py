@@ -167,7 +167,7 @@ def h2o_generate(model, prompt: list[int], max_tokens: int, budget: int, recent:
     def maybe_evict(L: int, limit: int) -> None:
         if ref.held() > limit:
             ref.evict(budget - block_size, recent)
-            scores = ref.score.clone()  # what the eviction ranked by (evict leaves it)
+            scores = ref.score[ref.evicting].clone()  # what the eviction ranked by (evict leaves it)
             kept = ref.kept()
             if on_evict is not None:
                 kept = on_evict(L, kept, scores)

@@ -209,6 +209,42 @@ def test_each_group_holds_its_bound_and_the_pool_is_whole_after(llm, hf):
     assert probe.used_blocks() == 0
 
 
+@pytest.mark.parametrize("kind", ["snapkv", "andpro"])
+def test_window_policies_on_a_hybrid_model_match_dense_reference(llm, hf, kind):
+    """SnapKV and AnDPro as test_window_reference.py checks them (the same
+    floors of exact kept sets: their float32 window scores differ from the
+    reference's in the last bits, which can swap near-ties), on the hybrid
+    model against the reference with its windowed layers."""
+    from test_window_reference import BUDGET as WINDOW_BUDGET
+    from test_window_reference import EXACT_FLOOR, dense_window
+    from test_window_reference import WINDOW as QUERY_WINDOW
+
+    model, tok = hf
+    _close_once(llm)  # one in-process engine at a time: the module's is done by now
+    prompt = _prompts(tok)[2]
+    engine = _engine(llm_path(llm), additional_config={
+        "kv_eviction": kind, "kv_budget": WINDOW_BUDGET, "kv_window": QUERY_WINDOW})
+    try:
+        got_tokens, snaps, _ = _vllm_generate(engine, prompt, MAX_TOKENS, salt=kind)
+    finally:
+        close(engine)
+    window_ref = dense_window(kind)
+    check = KeptSetChecker(snaps, QUERY_WINDOW)
+    ref_tokens, evictions = h2o_generate(
+        model, prompt, MAX_TOKENS, WINDOW_BUDGET, QUERY_WINDOW, BLOCK, on_evict=check,
+        make_ref=lambda m, n: window_ref(m, n, windowed=WINDOWED, window=WINDOW))
+    print(f"\n{kind}: compactions at L={[L for L, _, _ in evictions]}: {check.summary()}")
+    assert [p.logical_len for p, _ in snaps] == [L for L, _, _ in evictions]
+    assert len(evictions) >= 3 and check.total == len(evictions) * 15 * 3
+    assert not check.report, "\n".join(check.report[:20])
+    assert check.exact >= EXACT_FLOOR[kind] * check.total, check.summary()
+    assert got_tokens == ref_tokens
+
+
+def llm_path(llm) -> str:
+    return llm.llm_engine.vllm_config.model_config.model
+
+
 def test_scored_within_budget_is_token_identical_to_stock(llm, hybrid_path):
     """Each request's budget one token under its final length (an engine at
     --kv-budget 256): every step is scored (H2O's scores grow in every

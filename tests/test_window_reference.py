@@ -47,7 +47,7 @@ def dense_window(kind: str, cached: int = 0):
         def evict(self, target: int, recent: int) -> None:
             scale = self.model.model.layers[0].self_attn.scaling
             g = self.hq // self.hk
-            for li in range(self.nl):
+            for li in self.evicting:  # every layer but a hybrid model's windowed ones
                 for h in range(self.hk):
                     order = self.resident[li, h].nonzero().flatten()  # oldest first
                     win = order[-WINDOW:]
