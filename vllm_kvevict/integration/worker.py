@@ -139,7 +139,7 @@ class WorkerEviction:
     def begin_step(self, runner, scheduler_output) -> None:
         if runner is not self.runner:
             self.runner = runner
-            self.group_id = evictable_group(runner.kv_cache_config)
+            self.group_id = evictable_group(getattr(runner, "kv_cache_config", None))
         self._step_open = True
         step: EvictionStep | None = getattr(scheduler_output, STEP_ATTR, None)
         if step is None:
@@ -418,10 +418,11 @@ class WorkerEviction:
 
 
 def evictable_group(kv_cache_config) -> int:
-    """Index of the KV cache group whose spec is ours (spec.py), else 0."""
+    """Index of the KV cache group whose spec is ours (spec.py), else 0 (also
+    for a runner stand-in without a config)."""
     from vllm_kvevict.integration.spec import EvictableAttentionSpec
 
-    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+    for i, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", ())):
         if isinstance(group.kv_cache_spec, EvictableAttentionSpec):
             return i
     return 0
