@@ -106,6 +106,8 @@ def test_the_engine_keeps_windowed_layers_apart(llm):
     refused: the windowed layers cannot keep a module's KV whole."""
     from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 
+    from vllm_kvevict.core.modules.pml import PMLError
+    from vllm_kvevict.integration import prompt_modules as pm
     from vllm_kvevict.integration.spec import EvictableAttentionManager
     from vllm_kvevict.integration.worker import worker_state
 
@@ -116,9 +118,6 @@ def test_the_engine_keeps_windowed_layers_apart(llm):
     layers = [int(n.split(".")[2]) for n in worker_state().layers]
     assert layers == [li for li, w in enumerate(WINDOWED) if not w]
     # Prompt modules are refused with the reason (ModuleStore.problem), pinning nothing.
-    from vllm_kvevict.core.modules.pml import PMLError
-    from vllm_kvevict.integration import prompt_modules as pm
-
     with pytest.raises(PMLError, match="sliding-window layers"):
         pm.register_schema(llm, '<schema name="s"><module name="m">' + "word " * 80
                            + "</module></schema>")
