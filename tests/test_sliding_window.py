@@ -6,8 +6,9 @@ sees the newest W positions; vLLM's hybrid KV cache manager gives them a KV
 cache group of their own and frees the blocks that leave the window) with
 full-attention layers, whose KV grows with the context. The plugin compacts
 the full-attention group only. The model here is SmolLM2 with its even layers
-made sliding-window through its config's `layer_types` (window 48): real
-weights, a real vLLM engine with two KV cache groups.
+made sliding-window through its config's `layer_types` (window 48;
+`python -m vllm_kvevict.models smollm2-hybrid`): real weights, a real vLLM
+engine with two KV cache groups.
 
   * H2O on it equals the dense reference of tests/test_h2o_reference.py, whose
     windowed layers see their window and never evict: every kept set of every
@@ -21,7 +22,6 @@ weights, a real vLLM engine with two KV cache groups.
 """
 from __future__ import annotations
 
-import json
 import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # worker in this process
@@ -34,32 +34,18 @@ from test_h2o_reference import (  # noqa: F401  (fixture one_thread)
     _vllm_generate, h2o_generate, one_thread)
 
 from vllm_kvevict.core.eviction.planner import max_blocks_per_request
+from vllm_kvevict.models import hybrid_of
 
 WINDOW = 48  # < BUDGET: the windowed layers see less than the evicting ones keep
 WINDOWED = [li % 2 == 0 for li in range(30)]  # SmolLM2's 30 layers: even ones windowed
 
 
-def hybrid_model(model_path: str, dst, windowed: list[bool]) -> str:
-    """`model_path`'s checkpoint (linked, not copied) with `windowed` layers made
-    sliding-window (config `layer_types`, as Gemma 3's and gpt-oss's configs
-    name them; vLLM's Llama reads it)."""
-    os.makedirs(dst, exist_ok=True)
-    for name in os.listdir(model_path):
-        if name != "config.json":
-            os.symlink(os.path.join(model_path, name), os.path.join(dst, name))
-    with open(os.path.join(model_path, "config.json")) as f:
-        cfg = json.load(f)
-    assert cfg["num_hidden_layers"] == len(windowed)
-    cfg["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windowed]
-    cfg["sliding_window"] = WINDOW
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return str(dst)
-
-
 @pytest.fixture(scope="module")
-def hybrid_path(model_path, tmp_path_factory):
-    return hybrid_model(model_path, tmp_path_factory.mktemp("hybrid") / "model", WINDOWED)
+def hybrid_path(model_path):
+    from vllm_kvevict.models import HYBRID_WINDOW, ensure_smollm2_hybrid
+
+    assert HYBRID_WINDOW == WINDOW
+    return ensure_smollm2_hybrid()
 
 
 def _engine(path: str, **kwargs):
@@ -285,7 +271,7 @@ def test_what_eviction_cannot_serve_is_refused_at_startup(llm, hybrid_path, mode
         path, kwargs, says = hybrid_path, {"disable_hybrid_kv_cache_manager": True}, \
             "drop --disable-hybrid-kv-cache-manager"
     else:
-        path, kwargs, says = hybrid_model(model_path, tmp_path / "m", [True] * 30), {}, \
+        path, kwargs, says = hybrid_of(model_path, tmp_path / "m", [True] * 30, WINDOW), {}, \
             "nothing to evict"
     with pytest.raises(Exception, match=says):
         engine = _engine(path, additional_config=H2O, **kwargs)

@@ -22,6 +22,7 @@ what is needed and prints one path per line (default: just SmolLM2, so
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -185,7 +186,45 @@ def ensure_qwen25_coder(dest: str | os.PathLike[str] | None = None) -> str:
     return _ensure_converted(target, convert)
 
 
-MODELS = {"smollm2": ensure_smollm2, "qwen25-coder": ensure_qwen25_coder}
+def hybrid_of(base: str, dest: str | os.PathLike[str], windowed: list[bool],
+              window: int) -> str:
+    """``base``'s checkpoint (its files linked, not copied) as a hybrid
+    sliding-window model: layer i attends to the newest ``window`` positions
+    where ``windowed[i]``, through the config's ``layer_types`` (as Gemma 3's
+    and gpt-oss's configs name them; vLLM's Llama reads it). Same weights, so
+    not the model it was trained as: for the engine's mechanics, not quality."""
+    target = Path(dest)
+    if (target / "config.json").is_file():
+        return str(target)
+    cfg = json.loads((Path(base) / "config.json").read_text())
+    if cfg["num_hidden_layers"] != len(windowed):
+        raise ValueError(f"{base} has {cfg['num_hidden_layers']} layers, not {len(windowed)}")
+    cfg["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windowed]
+    cfg["sliding_window"] = window
+
+    def link(out: Path) -> None:
+        for f in Path(base).iterdir():
+            if f.name != "config.json":
+                (out / f.name).symlink_to(f.resolve())
+        (out / "config.json").write_text(json.dumps(cfg, indent=1))
+
+    return _ensure_converted(target, link)
+
+
+HYBRID_WINDOW = 48  # SmolLM2-hybrid's window: below the tests' and benchmarks' budgets
+
+
+def ensure_smollm2_hybrid(dest: str | os.PathLike[str] | None = None) -> str:
+    """SmolLM2-135M-Instruct with its even layers sliding-window (window 48):
+    vLLM serves it with two KV cache groups, as it serves Gemma 3 or gpt-oss."""
+    base = ensure_smollm2()
+    windowed = [i % 2 == 0 for i in range(json.loads(
+        (Path(base) / "config.json").read_text())["num_hidden_layers"])]
+    return hybrid_of(base, _target(dest, SMOLLM2_NAME + "-hybrid"), windowed, HYBRID_WINDOW)
+
+
+MODELS = {"smollm2": ensure_smollm2, "qwen25-coder": ensure_qwen25_coder,
+          "smollm2-hybrid": ensure_smollm2_hybrid}
 
 
 def main(argv: list[str]) -> int:
