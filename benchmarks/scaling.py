@@ -116,7 +116,7 @@ from common import (
 )
 
 from vllm_kvevict.core.config.settings import POLICIES
-from vllm_kvevict.probe import scheduler_of
+from vllm_kvevict.probe import full_attention_manager, scheduler_of
 
 READY_MARKER = "@@KVEVICT_READY@@ "
 BLOCK_SIZE = 32
@@ -161,9 +161,7 @@ class StepLog:
 
     def __init__(self, llm) -> None:
         self.sched = scheduler_of(llm)
-        mgrs = self.sched.kv_cache_manager.coordinator.single_type_managers
-        assert len(mgrs) == 1, f"expected one KV cache group, got {len(mgrs)}"
-        self.manager = mgrs[0]
+        self.manager = full_attention_manager(self.sched)
         self.out = None
         self.resident: list[int] = []
         schedule = self.sched.schedule

@@ -86,9 +86,7 @@ class StepRecorder(BlockProbe):
 
     def __init__(self, scheduler) -> None:
         super().__init__(scheduler)
-        managers = self.managers()
-        assert len(managers) == 1, f"expected one KV cache group, got {len(managers)}"
-        self.manager = managers[0]
+        self.manager = self.full_attention_manager()
         self.reset()
 
     def reset(self) -> None:

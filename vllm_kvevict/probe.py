@@ -55,6 +55,21 @@ class BlockProbe:
     def managers(self):
         return self.scheduler.kv_cache_manager.coordinator.single_type_managers
 
+    def full_attention_manager(self):
+        """The one full-attention group's manager (a hybrid model's
+        sliding-window groups are vLLM's alone)."""
+        return full_attention_manager(self.scheduler)
+
+
+def full_attention_manager(scheduler):
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    found = [m for m in scheduler.kv_cache_manager.coordinator.single_type_managers
+             if isinstance(m, FullAttentionManager)]
+    if len(found) != 1:
+        raise RuntimeError(f"expected one full-attention KV cache group, got {len(found)}")
+    return found[0]
+
 
 def attach(llm, probe_cls: type[BlockProbe] = BlockProbe) -> BlockProbe:
     """A new probe on `llm`'s scheduler, sampling from the next step on. Attaching
