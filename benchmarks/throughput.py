@@ -75,7 +75,7 @@ from common import (
 from interleave import SETTLE_S, StepClock, run_interleaved
 
 from vllm_kvevict.core.config.settings import POLICIES
-from vllm_kvevict.probe import BlockProbe, attach
+from vllm_kvevict.probe import BlockProbe, attach, full_attention_manager
 
 # --------------------------------------------------------------------------- one run
 
@@ -86,7 +86,7 @@ class StepRecorder(BlockProbe):
 
     def __init__(self, scheduler) -> None:
         super().__init__(scheduler)
-        self.manager = self.full_attention_manager()
+        self.manager = full_attention_manager(scheduler)
         self.reset()
 
     def reset(self) -> None:

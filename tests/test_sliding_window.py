@@ -34,17 +34,16 @@ from test_h2o_reference import (  # noqa: F401  (fixture one_thread)
     _vllm_generate, h2o_generate, one_thread)
 
 from vllm_kvevict.core.eviction.planner import max_blocks_per_request
-from vllm_kvevict.models import hybrid_of
+from vllm_kvevict.models import HYBRID_WINDOW, hybrid_of
 
-WINDOW = 48  # < BUDGET: the windowed layers see less than the evicting ones keep
+WINDOW = HYBRID_WINDOW  # 48 < BUDGET: the windowed layers see less than the evicting ones keep
 WINDOWED = [li % 2 == 0 for li in range(30)]  # SmolLM2's 30 layers: even ones windowed
 
 
 @pytest.fixture(scope="module")
 def hybrid_path(model_path):
-    from vllm_kvevict.models import HYBRID_WINDOW, ensure_smollm2_hybrid
+    from vllm_kvevict.models import ensure_smollm2_hybrid
 
-    assert HYBRID_WINDOW == WINDOW
     return ensure_smollm2_hybrid()
 
 
@@ -164,7 +163,9 @@ def test_each_group_holds_its_bound_and_the_pool_is_whole_after(llm, hf):
     from vllm_kvevict.integration.spec import EvictableAttentionManager
 
     class PerGroup(BlockProbe):
-        peak: dict = {}
+        def __init__(self, scheduler) -> None:
+            super().__init__(scheduler)
+            self.peak: dict[str, int] = {}
 
         def sample(self, output) -> None:
             super().sample(output)

@@ -55,13 +55,11 @@ class BlockProbe:
     def managers(self):
         return self.scheduler.kv_cache_manager.coordinator.single_type_managers
 
-    def full_attention_manager(self):
-        """The one full-attention group's manager (a hybrid model's
-        sliding-window groups are vLLM's alone)."""
-        return full_attention_manager(self.scheduler)
 
 
 def full_attention_manager(scheduler):
+    """The one full-attention group's manager (a hybrid model's sliding-window
+    groups are vLLM's alone)."""
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
     found = [m for m in scheduler.kv_cache_manager.coordinator.single_type_managers

@@ -115,13 +115,14 @@ class EvictingCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         state = worker_state()
+        evictable = isinstance(kv_cache_spec, EvictableAttentionSpec)
         if state is not None:
             check_windows(state.cfg, kv_cache_spec, layer_names, vllm_config)
-            if isinstance(kv_cache_spec, EvictableAttentionSpec):
+            if evictable:
                 check_one_group(state, layer_names)
         # A sliding-window group (hybrid models) is vLLM's: its manager drops
         # what leaves the window, and its metadata stays logical.
-        self.state = state if isinstance(kv_cache_spec, EvictableAttentionSpec) else None
+        self.state = state if evictable else None
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         logical = common_attn_metadata

@@ -163,9 +163,9 @@ class EvictionCollector:
         # One file per evictable KV group of each engine core (one, so far: a
         # hybrid model's is not group 0, its sliding-window groups write none);
         # token counts are the same in every group of one engine, blocks are per group.
-        groups = [s["group"] for s in snaps if s.get("role") == "scheduler"]
-        scheduler = [s for s in snaps if s.get("role") == "scheduler"
-                     and s["group"] == min(groups)]
+        every_group = [s for s in snaps if s.get("role") == "scheduler"]
+        lowest = min((s["group"] for s in every_group), default=0)
+        scheduler = [s for s in every_group if s["group"] == lowest]
         workers = sorted((s for s in snaps if s.get("role") == "worker"), key=_worker_labels)
         if not scheduler and not workers:
             return  # eviction off, or nothing ran yet
@@ -183,7 +183,7 @@ class EvictionCollector:
                                           value=sum(s.get(key, 0) for s in scheduler))
             yield CounterMetricFamily(
                 "vllm_kvevict_blocks_freed", "KV blocks returned to vLLM's block pool by compactions",
-                value=sum(s["blocks_freed"] for s in snaps if s.get("role") == "scheduler"))
+                value=sum(s["blocks_freed"] for s in every_group))
             resident = GaugeMetricFamily(
                 "vllm_kvevict_resident_tokens",
                 "KV tokens of running requests: logical (seen) vs physical (held)",

@@ -66,6 +66,20 @@ def layout_problem(layout, prompt_token_ids, max_model_len: int | None) -> str |
     return None
 
 
+def sharing_problem(groups) -> str | None:
+    """Why modules cannot be shared on an engine with these KV cache group
+    managers, or None. A module's blocks hold its KV for every layer from its
+    first token; a hybrid model's sliding-window group keeps only a window of
+    it (vLLM's manager frees the rest), so there is nothing whole to pin."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    if len(groups) != 1 or not isinstance(groups[0], FullAttentionManager):
+        return ("prompt modules need a model whose attention layers all attend to "
+                "the whole context (one full-attention KV cache group); this model "
+                "has sliding-window layers, which keep only their window's KV")
+    return None
+
+
 @dataclass
 class Entry:
     tokens: tuple[int, ...]
@@ -77,6 +91,7 @@ class ModuleStore:
     def __init__(self, kv_cache_manager) -> None:
         self.manager = kv_cache_manager
         self.entries: dict[str, Entry] = {}
+        self.problem = sharing_problem(self._groups)  # the groups are the engine's for life
 
     @classmethod
     def of(cls, kv_cache_manager) -> "ModuleStore":
@@ -89,25 +104,11 @@ class ModuleStore:
     def _groups(self):
         return self.manager.coordinator.single_type_managers
 
-    def problem(self) -> str | None:
-        """Why modules cannot be shared on this engine, or None. A module's
-        blocks hold its KV for every layer from its first token; a hybrid
-        model's sliding-window group keeps only a window of it (vLLM's
-        manager frees the rest), so there is nothing whole to pin."""
-        from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
-
-        groups = self._groups
-        if len(groups) != 1 or not isinstance(groups[0], FullAttentionManager):
-            return ("prompt modules need a model whose attention layers all attend to "
-                    "the whole context (one full-attention KV cache group); this model "
-                    "has sliding-window layers, which keep only their window's KV")
-        return None
-
     def pin(self, request) -> None:
         """Keep the full blocks of a finished encode request (before vLLM frees it)."""
         layout = layout_of(request)
         key = layout and layout.get("pin")
-        if not key or key in self.entries or self.problem() or request.status not in (
+        if not key or key in self.entries or self.problem or request.status not in (
                 RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return  # aborted encodes pin nothing; a re-encode keeps the first copy
         groups = []
@@ -130,7 +131,7 @@ class ModuleStore:
         ever read blocks that hold exactly its own tokens at its own positions."""
         layout = layout_of(request)
         imports = layout and layout.get("imports")
-        if not imports or self.problem():
+        if not imports or self.problem:
             return None
         bs = self._groups[0].block_size
         entries = {k: (e.tokens, e.positions) for k, e in self.entries.items()}
@@ -175,11 +176,11 @@ class ModuleStore:
 
     def usage(self) -> dict[str, int]:
         """Blocks the store pins (every group) and the pool's size, for the
-        frontend's --kv-max-pinned check, and `problem()`, checked before any
+        frontend's --kv-max-pinned check, and `problem`, checked before any
         schema is encoded."""
         pinned = sum(len(blocks) for e in self.entries.values() for blocks in e.blocks)
         return {"pinned_blocks": pinned, "pool_blocks": self.manager.block_pool.num_gpu_blocks,
-                "problem": self.problem()}
+                "problem": self.problem}
 
     def describe(self) -> dict[str, dict]:
         """key -> tokens, block ids and vLLM's ref_cnt of each pinned block."""

@@ -244,7 +244,7 @@ def pinned_modules(llm) -> dict:
 
 
 def _refuse_problem(usage: dict) -> None:
-    """The engine core's reason modules cannot be shared there (ModuleStore.problem)."""
+    """The engine core's reason modules cannot be shared there (module_store.sharing_problem)."""
     if usage.get("problem"):
         raise PMLError(usage["problem"])
 
