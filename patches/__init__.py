@@ -37,6 +37,8 @@ tests/test_import_graph.py fails on a private name used there but not here):
 | integration/prompt_modules.py | BaseRenderer._executor                    | the tokenizer thread: PML work runs there, off the event loop, never racing vLLM's tokenization |
 | integration/prompt_modules.py | ParallelConfig._api_process_count (read)  | how many API server processes front the engines: the schema registry is one per process |
 | integration/worker.py         | GPUModelRunner.requests[id].block_ids, .input_batch.req_ids | which blocks a request holds and the batch's row order |
+| integration/worker.py         | SchedulerOutput.scheduled_spec_decode_tokens, GPUModelRunner.requests[id].num_tokens (read) | a step's speculative drafts, and how many the verifier accepted (every token but the newest has its KV) |
+| integration/spec.py           | Request.spec_token_ids (read)             | the drafts vLLM is about to schedule: the compaction leaves room for them |
 | integration/cpu_backend.py, cuda_backend.py | kvevict_decode_placement, kvevict_scored_rows, kvevict_host_lens (stamped on attention metadata) | the step's row placement for the score path, built once per step |
 | integration/cpu_backend.py    | Attention._k_scale_float (read)          | an fp8 cache's key scale, folded into the logits' scale as vLLM's CPU backend passes it to its kernels |
 | probe.py (the demo, the harness, tests, benchmarks) | Scheduler.schedule / _preempt_request wrapped on one instance, _unprobed (stamped) | sample vLLM's own block accounting each step |

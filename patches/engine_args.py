@@ -17,9 +17,11 @@ HOW: add an argument group, one flag per entry of vllm_kvevict/core/config/flags
      missing one stops startup naming `python -m vllm_kvevict.calibrate`
      instead of a worker calibrating mid-step.
      With eviction or offload on, refuse what it does not support, naming the
-     vLLM flag and ours: speculative decoding, async
-     scheduling, and pipeline parallel with offload (eviction alone runs at
-     PP > 1: each stage compacts its own layers by the scheduler's plan). vLLM 0.32 turns async scheduling on by
+     vLLM flag and ours: async scheduling, pipeline parallel with offload
+     (eviction alone runs at PP > 1: each stage compacts its own layers by the
+     scheduler's plan), and speculative decoding except n-gram drafts under
+     eviction alone on the CPU backend at one pipeline stage (what each of
+     those would break: refuse_speculation). vLLM 0.32 turns async scheduling on by
      default where it can (VllmConfig: None -> True on CUDA; the CPU platform
      turns it off whatever was asked), so an unset value is set to False here
      and only an explicit --async-scheduling is refused: a plain
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import NamedTuple
 
 from vllm_kvevict.core.config.settings import EvictionConfig, EvictionConfigError
 from vllm_kvevict.core.config.flags import FLAGS, TABLE
@@ -56,18 +59,13 @@ def _ours(cfg: EvictionConfig) -> str:
     return cfg.as_flags()  # `--kv-eviction infinigen`, not the streaming policy it runs
 
 
-def refuse_unsupported(cfg: EvictionConfig, *, speculative: str | None, pipeline: int,
+def refuse_unsupported(cfg: EvictionConfig, *, pipeline: int,
                        async_scheduling: bool | None, kv_cache_dtype: str = "auto") -> None:
     """Stop startup when eviction/offload is on beside a setting it does not
     support; the message names the vLLM flag and ours."""
     if not cfg.enabled:
         return
     ours = _ours(cfg)
-    if speculative:
-        raise EvictionConfigError(
-            f"{speculative} is not supported with {ours}: draft tokens' attention would "
-            f"enter the eviction scores, and offload's host decode handles one new token "
-            f"per request per step; drop {speculative} or the eviction flags")
     if pipeline > 1 and cfg.offload:
         # Eviction alone runs at any stage count: every stage compacts its own
         # layers by the scheduler's one plan (docs/serving.md). Offload does not.
@@ -92,14 +90,65 @@ def refuse_unsupported(cfg: EvictionConfig, *, speculative: str | None, pipeline
             f"(with eviction it is off by default)")
 
 
-def _speculative_flag(engine_args) -> str | None:
-    """The flag that asked for speculative decoding, if any."""
-    if engine_args.speculative_config:
-        return "--speculative-config"
+# Speculative methods eviction runs beside: drafts looked up in the request's
+# own tokens. Every other method drafts with a model (EAGLE, MTP, a draft
+# model, Medusa) whose layers read the target's KV or hidden states at
+# positions compaction moves.
+SPECULATION = ("ngram",)
+
+
+class Speculation(NamedTuple):
+    flag: str  # the vLLM flag that asked for it, for the message
+    method: str | None  # None: not known before vLLM builds its config
+    num_tokens: int | None  # draft tokens per step
+
+
+def refuse_speculation(cfg: EvictionConfig, spec: Speculation | None, *, on_cpu: bool,
+                       pipeline: int = 1, block_size: int | None = None) -> None:
+    """Stop startup where speculative decoding cannot run beside eviction.
+    Under eviction, a step writes its token and its drafts, and the drafts a
+    step rejects are taken out of the scores before the next step reads them
+    (integration/worker.py, _roll_back_drafts); the planner leaves room for
+    the drafts in the budget's blocks (planner.compaction_target)."""
+    if not cfg.enabled or spec is None:
+        return
+    ours, flag = _ours(cfg), spec.flag
+
+    def refuse(why: str) -> None:
+        raise EvictionConfigError(f"{flag} is not supported with {ours}: {why}")
+
+    if cfg.offload:
+        refuse(f"offload's host decode handles one new token per request per step; drop "
+               f"{flag}, or use eviction without offload (e.g. --kv-eviction h2o)")
+    if spec.method is not None and spec.method not in SPECULATION:
+        refuse(f"method {spec.method!r} drafts with a model whose layers read the target's "
+               f"KV cache, which eviction compacts; use method 'ngram' (prompt lookup) or "
+               f"drop {flag}")
+    if not on_cpu:
+        refuse("speculative decoding beside eviction runs on the CPU backend only in this "
+               "release (the CUDA backend scores each draft in its own step, rejected "
+               "drafts included)")
+    if pipeline > 1:
+        refuse(f"--pipeline-parallel-size {pipeline}: a stage before the last learns which "
+               f"drafts were accepted a step late, after its scores were read")
+    if block_size and spec.num_tokens and spec.num_tokens > block_size - 2:
+        refuse(f"num_speculative_tokens {spec.num_tokens} must leave a compaction room to "
+               f"keep a token: at most {block_size - 2} at --block-size {block_size}")
+
+
+def _speculation(engine_args) -> Speculation | None:
+    """What the engine arguments asked of speculative decoding, if anything."""
+    spec = engine_args.speculative_config
+    if spec:
+        method = spec.get("method")
+        if method is None and spec.get("model"):
+            method = "ngram" if spec["model"] in ("ngram", "[ngram]") else "draft_model"
+        return Speculation("--speculative-config", method, spec.get("num_speculative_tokens"))
     for flag, key in (("--spec-method", "spec_method"), ("--spec-model", "spec_model"),
                       ("--spec-tokens", "spec_tokens")):
         if getattr(engine_args, key, None) is not None:
-            return flag
+            return Speculation(flag, getattr(engine_args, "spec_method", None),
+                               getattr(engine_args, "spec_tokens", None))
     return None
 
 
@@ -135,16 +184,17 @@ def apply() -> None:
         # flag. Every process reads the canonical form (integration/settings.py).
         self.additional_config = canonical(self.additional_config)
         cfg = eviction_config(self.additional_config)
-        refuse_unsupported(cfg, speculative=_speculative_flag(self),
-                           pipeline=self.pipeline_parallel_size,
+        from vllm.platforms import current_platform
+
+        refuse_speculation(cfg, _speculation(self), on_cpu=current_platform.is_cpu(),
+                           pipeline=self.pipeline_parallel_size)
+        refuse_unsupported(cfg, pipeline=self.pipeline_parallel_size,
                            async_scheduling=self.async_scheduling,
                            kv_cache_dtype=str(self.kv_cache_dtype))
         if cfg.enabled:
             # None lets vLLM turn it on (CUDA); the user did not ask for it.
             self.async_scheduling = False
         if cfg.offload:
-            from vllm.platforms import current_platform
-
             if not current_platform.is_cpu():
                 # Offload's decode path (integration/offload_attention.py) is
                 # wired into the CPU backend only; refusing beats silently dropping.
@@ -176,9 +226,15 @@ def apply() -> None:
         if cfg.enabled:
             cfg.check_block_size(vllm_config.cache_config.block_size)
             # Whatever set them (a platform hook, a model's own config): not with eviction.
+            built = vllm_config.speculative_config
+            refuse_speculation(
+                cfg, built and Speculation("--speculative-config", built.method,
+                                           built.num_speculative_tokens),
+                on_cpu=current_platform.is_cpu(),
+                pipeline=vllm_config.parallel_config.pipeline_parallel_size,
+                block_size=vllm_config.cache_config.block_size)
             refuse_unsupported(
-                cfg, speculative="--speculative-config" if vllm_config.speculative_config
-                else None, pipeline=vllm_config.parallel_config.pipeline_parallel_size,
+                cfg, pipeline=vllm_config.parallel_config.pipeline_parallel_size,
                 async_scheduling=vllm_config.scheduler_config.async_scheduling,
                 kv_cache_dtype=str(vllm_config.cache_config.cache_dtype))
         if cfg.offload:  # before any worker: they load the file, never compute it

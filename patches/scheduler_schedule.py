@@ -49,7 +49,8 @@ def apply() -> None:
                 if req is None:
                     continue
                 cfg = managers[0].request_config(new.req_id)
-                if never_compacts(cfg, req.num_prompt_tokens, req.max_tokens):
+                if never_compacts(cfg, req.num_prompt_tokens, req.max_tokens,
+                                  getattr(self, "num_spec_tokens", 0)):
                     step.unscored.append(new.req_id)
                 elif (req.pooling_params is None  # a pooling request never decodes
                       and evicts_after_prompt(cfg, req.num_prompt_tokens, managers[0].block_size)):

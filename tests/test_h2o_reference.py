@@ -145,7 +145,7 @@ class DenseH2O:
 
 def h2o_generate(model, prompt: list[int], max_tokens: int, budget: int, recent: int,
                  block_size: int, chunk: int | None = None, on_evict=None, make_ref=DenseH2O,
-                 cached: int = 0):
+                 cached: int = 0, schedule=None):
     """Greedy tokens and, per eviction, (logical_len, kept positions, scores before).
 
     The plugin's schedule (planner.py), checked before feeding position L with
@@ -159,13 +159,16 @@ def h2o_generate(model, prompt: list[int], max_tokens: int, budget: int, recent:
     dense model (another policy's subclass reuses this schedule). cached: the
     first `cached` prompt tokens come from the prefix cache: their KV is there,
     but their queries are not run again, so they add nothing to any score.
+    schedule: the logical lengths at which decode evicts, instead of the rule
+    above (speculative decoding compacts a step early when its drafts would
+    not fit: tests/test_speculative_decoding.py).
     """
     assert budget >= 2 * block_size, "the schedule below assumes a whole block of room"
     ref = make_ref(model, len(prompt) + max_tokens)
     evictions = []
 
-    def maybe_evict(L: int, limit: int) -> None:
-        if ref.held() > limit:
+    def maybe_evict(L: int, limit: int, decode: bool = False) -> None:
+        if (L in schedule) if decode and schedule is not None else ref.held() > limit:
             ref.evict(budget - block_size, recent)
             scores = ref.score[ref.evicting].clone()  # what the eviction ranked by (evict leaves it)
             kept = ref.kept()
@@ -185,7 +188,7 @@ def h2o_generate(model, prompt: list[int], max_tokens: int, budget: int, recent:
         logits = ref.forward(ids, torch.arange(c0, c0 + len(ids)))
     out = [int(logits.argmax())]
     for L in range(len(prompt), len(prompt) + max_tokens - 1):
-        maybe_evict(L, budget - 1)
+        maybe_evict(L, budget - 1, decode=True)
         out.append(int(ref.forward([out[-1]], torch.tensor([L])).argmax()))
     return out, evictions
 

@@ -97,6 +97,10 @@ def wanted(builder, state, cm) -> bool:
     # (2-core Xeon, benchmarks/cpu_kernel.py, results/xeon/cpu_kernel_amx.md).
     if builder.isa == "amx" and not records(state):
         return False
+    # Speculative drafts: H2O logs them and scores the accepted ones next
+    # step; the pass would score every draft row now, rejected ones included.
+    if state.drafts and records(state):
+        return False
     return state.all_rows_diverge(cm.num_reqs)
 
 

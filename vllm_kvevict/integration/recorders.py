@@ -62,11 +62,13 @@ class Recorder:
 
     def place(self, req_ids: list[str], q_lens: list[int], seq_lens: list[int],
               logical_seq_lens: list[int], scored: list[bool] | None,
-              defer_chunks: bool = True) -> StepPlacement | None:
+              defer_chunks: bool = True,
+              drafts: list[int] | None = None) -> StepPlacement | None:
         """Once per step, from the builder: where each layer keeps this step's
         queries. seq_lens physical, logical_seq_lens logical, after the step.
         defer_chunks=False: no prompt chunk waits for the next step (the fused
-        CPU pass scores them in their forward)."""
+        CPU pass scores them in their forward). drafts: per row, speculative
+        draft tokens after its token (None: none this step)."""
         return None
 
     def zero_new_slots(self, slot_mapping: torch.Tensor, num_tokens: int) -> None:
@@ -112,13 +114,17 @@ class AttentionRecorder(Recorder):
     def places(self, may_defer: bool) -> bool:
         return may_defer  # CUDA scores every query in its own step
 
-    def place(self, req_ids, q_lens, seq_lens, logical_seq_lens, scored, defer_chunks=True):
+    def place(self, req_ids, q_lens, seq_lens, logical_seq_lens, scored, defer_chunks=True,
+              drafts=None):
         state = self.state
-        if state.decode_log.full():
+        # A decode row logs its token and its drafts (the rejected ones are
+        # rolled back next step, before anything reads the log).
+        if state.decode_log.full(1 + max(drafts or [0])):
             state.decode_log.flush_all(state._stacks(), state._block_ids, state._private_of)
-        placement = state.decode_log.place(req_ids, q_lens, seq_lens, scored)
-        deferred = state.chunk_log.place(req_ids, q_lens, seq_lens, scored) if defer_chunks else None
-        placement.defer(deferred, q_lens, scored)
+        placement = state.decode_log.place(req_ids, q_lens, seq_lens, scored, drafts)
+        deferred = (state.chunk_log.place(req_ids, q_lens, seq_lens, scored, drafts)
+                    if defer_chunks else None)
+        placement.defer(deferred, q_lens, scored, drafts)
         return placement
 
     def log_only(self, placement, num_tokens):
@@ -167,7 +173,8 @@ class QueryRecorder(Recorder):
     def places(self, may_defer: bool) -> bool:
         return True
 
-    def place(self, req_ids, q_lens, seq_lens, logical_seq_lens, scored, defer_chunks=True):
+    def place(self, req_ids, q_lens, seq_lens, logical_seq_lens, scored, defer_chunks=True,
+              drafts=None):
         return self.state.query_window.place(req_ids, q_lens, logical_seq_lens, scored)
 
     def log_only(self, placement, num_tokens):

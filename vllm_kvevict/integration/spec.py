@@ -176,7 +176,10 @@ class EvictableAttentionManager(FullAttentionManager):
             num_blocks=len(blocks), logical=processed_computed_tokens,
             evicted=self.evicted.get(request_id, 0), num_prompt_tokens=num_prompt_tokens,
             has_plan=any(p.req_id == request_id for p in self.pending),
-            finishing=req is not None and req.is_finished())
+            finishing=req is not None and req.is_finished(),
+            # Speculative decoding: the drafts vLLM is about to schedule (it
+            # may trim them, never add) are written with the step's token.
+            new_tokens=1 + len(getattr(req, "spec_token_ids", None) or ()))
         pool = PoolView(num_free=self.block_pool.get_num_free_blocks(),
                         other_requests=len(self.req_to_blocks) - 1,
                         chunk_tokens=self.chunk_tokens)

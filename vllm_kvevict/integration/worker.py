@@ -64,7 +64,8 @@ from vllm_kvevict.integration.settings import parallel_ranks
 
 
 class WorkerEviction:
-    def __init__(self, cfg: EvictionConfig, block_size: int) -> None:
+    def __init__(self, cfg: EvictionConfig, block_size: int, max_drafts: int = 0) -> None:
+        """max_drafts: speculative decoding's draft tokens per step (0: off)."""
         self.cfg = cfg
         self.block_size = block_size
         self.policy = make_policy(cfg.policy, cfg.sink, cfg.window)
@@ -85,13 +86,20 @@ class WorkerEviction:
         # What the recorders keep (empty unless the policy's recorder uses them):
         self.chunk_log = ChunkLog()  # Record.ATTENTION: short prefill chunks, scored next step
         self.private = PrivateScores()  # Record.ATTENTION: scores of shared first blocks
-        self.query_window = QueryWindow(cfg.window)  # Record.QUERIES: the newest queries
+        # Record.QUERIES: the newest queries, with room for a step's drafts
+        self.query_window = QueryWindow(cfg.window, spare=max_drafts)
         self.num_windowless = 0  # compactions whose policy asked for a window and found none
         self._stack_cache: list[LayerStack] | None = None
         self.unscored: set[str] = set()  # requests that never compact: no scoring
         # requests that compact right after their prompt (EvictionStep.evict_after_prompt)
         self.prompt_evicts: set[str] = set()
         self.arriving: set[str] = set()  # during begin_step: this step's new requests
+        # Speculative decoding: this step's draft tokens per request, and the
+        # logical length each request's logged queries reached with the last
+        # step's drafts (checked against what was accepted: _roll_back_drafts).
+        self.drafts: dict[str, int] = {}
+        self.draft_ends: dict[str, int] = {}
+        self.drafts_logged = self.drafts_rejected = 0  # since start
         self._step_open = False  # a begin_step not yet matched by place_queries
         self.compaction_seconds = 0.0
         # steps whose attention came from the plugin's CPU pass (fused_attention.py)
@@ -141,6 +149,9 @@ class WorkerEviction:
             self.runner = runner
             self.group_id = evictable_group(getattr(runner, "kv_cache_config", None))
         self._step_open = True
+        self._roll_back_drafts(scheduler_output.finished_req_ids)
+        drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+        self.drafts = {r: len(ids) for r, ids in drafts.items() if ids}
         step: EvictionStep | None = getattr(scheduler_output, STEP_ATTR, None)
         if step is None:
             return
@@ -177,6 +188,24 @@ class WorkerEviction:
             self.compaction_seconds += time.perf_counter() - start
             self._write_metrics()
         self.evicted = step.evicted
+
+    def _roll_back_drafts(self, finished) -> None:
+        """Take the last step's rejected draft tokens out of the logs, before
+        anything reads them: their queries are not the sequence's (H2O's
+        scores and the SnapKV/AnDPro window hold the accepted tokens' only).
+        The runner appended the step's accepted tokens and its new one to each
+        request (vLLM's _bookkeeping_sync, in the step itself), so every token
+        but the newest has its KV: what lies past that was rejected.
+        finished: requests that ended (their logs are dropped whole)."""
+        ends, self.draft_ends = self.draft_ends, {}
+        for req_id, end in ends.items():
+            req = (self.runner.requests.get(req_id)
+                   if self.runner is not None and req_id not in finished else None)
+            rejected = 0 if req is None else end - (req.num_tokens - 1)
+            if rejected > 0:
+                self.decode_log.roll_back(req_id, rejected)
+                self.query_window.roll_back(req_id, rejected)
+                self.drafts_rejected += rejected
 
     def _write_metrics(self) -> None:
         if self._snapshot is None:  # rank and path are fixed for the process: asked once
@@ -240,10 +269,19 @@ class WorkerEviction:
             return None
         self._step_open = False
         qsl = query_start_loc[: num_reqs + 1].tolist()
+        req_ids = self.runner.input_batch.req_ids[:num_reqs]
+        logical = logical_seq_lens[:num_reqs].tolist()
+        drafts = None
+        if self.drafts:
+            drafts = [self.drafts.get(r, 0) for r in req_ids]
+            for r, d, end in zip(req_ids, drafts, logical):
+                if d:
+                    self.draft_ends[r] = end
+                    self.drafts_logged += d
         return self.recorder.place(
-            self.runner.input_batch.req_ids[:num_reqs], [b - a for a, b in zip(qsl, qsl[1:])],
-            seq_lens[:num_reqs].tolist(), logical_seq_lens[:num_reqs].tolist(),
-            None if scored is None else scored.tolist(), defer_chunks=defer_chunks)
+            req_ids, [b - a for a, b in zip(qsl, qsl[1:])], seq_lens[:num_reqs].tolist(),
+            logical, None if scored is None else scored.tolist(), defer_chunks=defer_chunks,
+            drafts=drafts)
 
     def log_only(self, placement: StepPlacement, num_tokens: int) -> QueryBuffers | None:
         """Once per step, from the CPU builder: the buffers every layer hands its
@@ -451,7 +489,8 @@ def init_worker_state(vllm_config, cfg: EvictionConfig, block_size: int) -> None
     if _OWNER is vllm_config:
         return
     _OWNER = vllm_config
-    _STATE = WorkerEviction(cfg, block_size) if cfg.enabled else None
+    _STATE = (WorkerEviction(cfg, block_size, getattr(vllm_config, "num_speculative_tokens", 0))
+              if cfg.enabled else None)
     if _STATE is not None:
         # The engine's data-parallel rank: vLLM runs a dense model's DP ranks
         # as independent engines (data_parallel_rank 0 in each) and keeps the

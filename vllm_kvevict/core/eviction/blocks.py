@@ -154,6 +154,7 @@ class RequestState:
     num_prompt_tokens: int | None = None  # None: not asked about prefill
     has_plan: bool = False  # already compacted this step (one plan per step)
     finishing: bool = False  # vLLM is finishing it: not a compaction point
+    new_tokens: int = 1  # a decode step's tokens: 1 + its speculative draft tokens
 
     @property
     def physical(self) -> int:
@@ -186,7 +187,8 @@ def compaction_point(cfg: EvictionConfig, req: RequestState, pool: PoolView,
     room = not req.in_prefill or room_for_next_chunk(
         req.num_blocks, req.physical, req.num_prompt_tokens - req.logical, block_size,
         pool.chunk_tokens, pool.num_free, pool.other_requests)
-    target = compaction_target(cfg, req.physical, req.logical, req.in_prefill, block_size, room)
+    target = compaction_target(cfg, req.physical, req.logical, req.in_prefill, block_size, room,
+                               req.new_tokens)
     return None if req.has_plan else target
 
 

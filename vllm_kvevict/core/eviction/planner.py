@@ -36,12 +36,17 @@ from vllm_kvevict.core.config.settings import EvictionConfig
 
 
 def compaction_target(cfg: EvictionConfig, physical: int, logical: int,
-                      in_prefill: bool, block_size: int, room: bool = True) -> int | None:
+                      in_prefill: bool, block_size: int, room: bool = True,
+                      new_tokens: int = 1) -> int | None:
     """New physical length if the request should be compacted now, else None.
 
     room: in prefill, whether the pool can hold the request's next prompt chunk
           (the scheduler's view); without it the prompt is compacted between
           chunks rather than the request preempted or refused.
+    new_tokens: in decode, the tokens the step writes: 1, or 1 + its draft
+          tokens under speculative decoding (those rejected are rolled back
+          from `logical` before the next step). The step must fit in the
+          block cap, so a compaction leaves at least that much room.
     """
     if not cfg.enabled or (cfg.offload and in_prefill):
         # Offload: the prompt is prefilled whole (every chunk attends every
@@ -52,20 +57,26 @@ def compaction_target(cfg: EvictionConfig, physical: int, logical: int,
             return None  # decide after the question: the prompt stays whole
         budget = cfg.budget_tokens(logical, block_size)
     else:
-        # Decode writes one token: afterwards the request may fill the block cap
-        # of its new length's budget (a fraction of 1.0 then never compacts).
-        budget = cfg.budget_tokens(logical + 1, block_size)
-        physical += 1
-    over = physical > cfg.block_cap(budget, block_size)
-    return cfg.compaction_keep(budget, block_size) if over else None
+        # Decode writes new_tokens: afterwards the request may fill the block
+        # cap of its new length's budget (a fraction of 1.0 then never compacts).
+        budget = cfg.budget_tokens(logical + new_tokens, block_size)
+        physical += new_tokens
+    cap = cfg.block_cap(budget, block_size)
+    if physical <= cap:
+        return None
+    # One block of room, or (a one-block cap, whose room is one token) what
+    # the step's drafts need: startup keeps them under a block (spec_decode.py).
+    return min(cfg.compaction_keep(budget, block_size), cap - (0 if in_prefill else new_tokens))
 
 
-def never_compacts(cfg: EvictionConfig, prompt_len: int, max_tokens: int) -> bool:
+def never_compacts(cfg: EvictionConfig, prompt_len: int, max_tokens: int,
+                   drafts: int = 0) -> bool:
     """True when a request can never exceed a token budget: its scores would
     never be read, so the workers skip scoring it (most chat requests under the
-    default 1024-token budget). Fractional budgets always may compact."""
+    default 1024-token budget). Fractional budgets always may compact.
+    drafts: speculative tokens per step, which vLLM may propose past max_tokens."""
     return (cfg.enabled and isinstance(cfg.budget, int)
-            and prompt_len + max_tokens <= cfg.budget)
+            and prompt_len + max_tokens + drafts <= cfg.budget)
 
 
 def evicts_after_prompt(cfg: EvictionConfig, prompt_len: int, block_size: int) -> bool:

@@ -47,15 +47,18 @@ class ChunkLog:
         self.deferred_tokens = 0  # since start
 
     def place(self, req_ids: list[str], q_lens: list[int], seq_lens: list[int],
-              scored: list[bool] | None = None) -> torch.Tensor | None:
-        """Take this step's prefill rows (n > 1, scored) while they fit in
+              scored: list[bool] | None = None,
+              drafts: list[int] | None = None) -> torch.Tensor | None:
+        """Take this step's prefill rows (n > 1, scored; not a decode row with
+        speculative `drafts`, which the decode log takes) while they fit in
         max_tokens, in batch order. seq_lens are physical. Returns the (num_reqs,)
         bool mask of the rows taken (to score later, not now), or None."""
         assert not self.chunks, "flush() the previous step's chunks first"
         taken = [False] * len(req_ids)
         tokens, total, start = [], 0, 0
         for i, (req_id, n, s) in enumerate(zip(req_ids, q_lens, seq_lens)):
-            if n > 1 and (scored is None or scored[i]) and total + n <= self.max_tokens:
+            if (n > 1 and (scored is None or scored[i]) and not (drafts and drafts[i])
+                    and total + n <= self.max_tokens):
                 self.chunks.append(Chunk(req_id, total, n, s))
                 tokens.append(torch.arange(start, start + n))
                 taken[i] = True

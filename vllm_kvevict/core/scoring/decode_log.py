@@ -45,7 +45,8 @@ class StepPlacement:
     """Where this step's queries go: token index -> (buffer row, column)."""
     tokens: torch.Tensor  # (N,) int64 token indices in the step's query tensor
     cells: torch.Tensor   # (N,) int64 row * columns + column
-    # (num_reqs,) bool: prefill rows a ChunkLog took, to score next step (H2O)
+    # (num_reqs,) bool: rows not scored in the forward: prefill rows a ChunkLog
+    # took, to score next step, and decode rows with drafts, logged (H2O)
     deferred: torch.Tensor | None = None
     # Some row is scored in the forward (a prefill chunk neither deferred nor
     # unscored). False: the layers only log queries and zero the new slots.
@@ -55,8 +56,13 @@ class StepPlacement:
     copier: Any = field(default_factory=cpu_copier)
 
     def defer(self, deferred: torch.Tensor | None, q_lens: list[int],
-              scored: list[bool] | None) -> None:
-        """Take the chunk log's rows (ChunkLog.place) and decide `score_now`."""
+              scored: list[bool] | None, drafts: list[int] | None = None) -> None:
+        """Take the chunk log's rows (ChunkLog.place) and the decode rows with
+        speculative drafts (the decode log's), none scored in the forward, and
+        decide `score_now`."""
+        if drafts and any(drafts):
+            drafted = torch.tensor([d > 0 for d in drafts], dtype=torch.bool)
+            deferred = drafted if deferred is None else deferred | drafted
         self.deferred = deferred
         self.score_now = any(
             n > 1 and (scored is None or scored[i]) and (deferred is None or not deferred[i])
@@ -154,25 +160,40 @@ class DecodeQueryLog:
                 self.count.pop(req_id)
                 self.visible[row] = 0
 
-    def full(self) -> bool:
-        return any(c >= self.depth for c in self.count.values())
+    def full(self, rows: int = 1) -> bool:
+        """Whether some request has no room for `rows` more queries."""
+        return any(c + rows > self.depth for c in self.count.values())
+
+    def roll_back(self, req_id: str, num: int) -> None:
+        """Forget the request's `num` newest queries: speculative decoding's
+        rejected drafts (their tokens were never generated; the slots they
+        wrote are written again by the next step)."""
+        c = self.count.get(req_id, 0)
+        num = min(num, c)
+        if num > 0:
+            self.visible[self.row_of[req_id], c - num:c] = 0
+            self.count[req_id] = c - num
 
     def place(self, req_ids: list[str], q_lens: list[int], seq_lens: list[int],
-              scored: list[bool] | None = None) -> StepPlacement:
-        """Give each single-query row a log slot (rows with scored False get
-        none); drop rows being prefilled. The caller flushes first if `full()`.
-        seq_lens are physical."""
+              scored: list[bool] | None = None,
+              drafts: list[int] | None = None) -> StepPlacement:
+        """Give each decode row's queries log slots (rows with scored False get
+        none): its one token, plus its speculative drafts where `drafts` says
+        it has some (n = 1 + drafts; those rejected are rolled back before the
+        log is read). Drop rows being prefilled. The caller flushes first if
+        `full(most rows of a request)`. seq_lens are physical."""
         tokens, cells = [], []
         start = 0
         scored = scored or [True] * len(req_ids)
-        for req_id, n, s, keep in zip(req_ids, q_lens, seq_lens, scored):
-            if n == 1 and keep:
+        drafts = drafts or [0] * len(req_ids)
+        for req_id, n, s, keep, d in zip(req_ids, q_lens, seq_lens, scored, drafts):
+            if keep and (n == 1 or d > 0):
                 row = self._row(req_id)
                 col = self.count[req_id]
-                self.count[req_id] = col + 1
-                self.visible[row, col] = s
-                tokens.append(start)
-                cells.append(row * self.depth + col)
+                self.count[req_id] = col + n
+                self.visible[row, col:col + n] = torch.arange(s - n + 1, s + 1)  # causal
+                tokens.extend(range(start, start + n))
+                cells.extend(range(row * self.depth + col, row * self.depth + col + n))
             elif n > 1 and req_id in self.row_of:
                 self.drop([req_id])
             start += n

