@@ -2,8 +2,13 @@
 
 With eviction or offload on (--kv-eviction other than none, --kv-swap-space):
   --speculative-config (or --spec-method/--spec-model/--spec-tokens)
-                              draft tokens' attention would enter H2O's scores,
-                              and offload's host decode handles 1-token rows only
+                              n-gram drafts start with eviction alone on the CPU
+                              backend at one pipeline stage, with at most
+                              block_size - 2 draft tokens (what they do there:
+                              tests/test_speculative_decoding.py); refused with offload
+                              (its host decode handles 1-token rows only), for a
+                              method that drafts with a model (it reads the KV
+                              eviction compacts), at PP > 1, and on CUDA
   --pipeline-parallel-size>1  with offload only (InfiniGen predicts a layer from the
                               layer before it, on another stage at a stage's first
                               layer); eviction alone starts (tests/test_pipeline_parallel.py)
@@ -27,10 +32,13 @@ import pytest
 from conftest import serve_config
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
-UNSUPPORTED = [
+# n-gram speculative decoding: starts with eviction alone, refused with offload
+SPECULATION = [
     pytest.param(["--speculative-config", NGRAM], "--speculative-config", id="spec"),
     pytest.param(["--spec-method", "ngram", "--spec-tokens", "2"], "--spec-method",
                  id="spec-method"),
+]
+UNSUPPORTED = [
     pytest.param(["--async-scheduling"], "--async-scheduling", id="async"),
 ]
 PP2 = ["--pipeline-parallel-size", "2"]
@@ -56,13 +64,133 @@ def test_unsupported_setting_stops_startup_naming_both_flags(model_path, evictio
     assert "not supported with" in said, said
 
 
-@pytest.mark.parametrize("setting, theirs", UNSUPPORTED)
+@pytest.mark.parametrize("setting, theirs", UNSUPPORTED + SPECULATION)
 def test_stock_vllm_accepts_each_setting(model_path, setting, theirs):
     """The same settings without eviction pass the same steps: the refusal is ours."""
     cfg = serve_config(model_path, *setting)
     assert not isinstance(cfg, str), cfg
     if "--speculative-config" in setting or "--spec-method" in setting:
         assert cfg.speculative_config.method == "ngram"
+
+
+@pytest.mark.parametrize("eviction, ours", [p for p in EVICTION if p.id not in
+                                            ("infinigen", "swap-space")])
+@pytest.mark.parametrize("setting, theirs", SPECULATION)
+def test_ngram_speculation_with_eviction_starts(model_path, eviction, ours, setting, theirs):
+    """n-gram drafts beside eviction alone, on this CPU machine: the engine
+    config is built with the drafts and the eviction settings both."""
+    cfg = serve_config(model_path, *eviction, *setting)
+    assert not isinstance(cfg, str), cfg
+    assert cfg.speculative_config.method == "ngram"
+    assert cfg.speculative_config.num_speculative_tokens == 2
+    assert cfg.additional_config["kv_eviction"] == ours.split()[1]
+    assert cfg.scheduler_config.async_scheduling is False
+
+
+@pytest.mark.parametrize("eviction, ours", [p for p in EVICTION if p.id in
+                                            ("infinigen", "swap-space")])
+@pytest.mark.parametrize("setting, theirs", SPECULATION)
+def test_ngram_speculation_with_offload_stops_startup_saying_why(model_path, eviction, ours,
+                                                                 setting, theirs):
+    said = serve_config(model_path, *eviction, *setting)
+    assert isinstance(said, str), "started"
+    assert said.startswith(f"EvictionConfigError: {theirs} is not supported with "), said
+    assert ours in said and "offload's host decode handles one new token" in said, said
+
+
+EAGLE = {"method": "eagle", "model": "x", "num_speculative_tokens": 2}
+
+
+@pytest.mark.parametrize("setting, theirs, method", [
+    pytest.param(["--speculative-config", json.dumps(EAGLE)], "--speculative-config", "eagle",
+                 id="eagle"),
+    pytest.param(["--speculative-config", json.dumps({"model": "x", "num_speculative_tokens": 2})],
+                 "--speculative-config", "draft_model", id="draft-model"),
+    pytest.param(["--spec-method", "eagle", "--spec-model", "x", "--spec-tokens", "2"],
+                 "--spec-method", "eagle", id="spec-method-eagle"),
+])
+def test_model_drafting_methods_stop_startup_naming_the_method(model_path, setting, theirs,
+                                                               method):
+    """A method that drafts with a model is refused before vLLM builds its
+    config (the draft model "x" does not exist, and is never looked up)."""
+    said = serve_config(model_path, "--kv-eviction", "h2o", *setting)
+    assert isinstance(said, str), "started"
+    assert said.startswith(f"EvictionConfigError: {theirs} is not supported with "
+                           f"--kv-eviction h2o: method {method!r} drafts with a model"), said
+    assert "use method 'ngram'" in said, said
+
+
+def test_eagle_is_refused_where_stock_vllm_builds_it(model_path):
+    """The same EAGLE setting with a draft model that exists: stock vLLM builds
+    its config, so the refusal is ours."""
+    eagle = json.dumps({**EAGLE, "model": model_path})
+    cfg = serve_config(model_path, "--speculative-config", eagle)
+    assert not isinstance(cfg, str), cfg
+    assert cfg.speculative_config.method == "eagle"
+    said = serve_config(model_path, "--kv-eviction", "h2o", "--speculative-config", eagle)
+    assert isinstance(said, str) and "method 'eagle' drafts with a model" in said, said
+
+
+def test_more_draft_tokens_than_a_block_leaves_room_for_stop_startup(model_path):
+    """At most block_size - 2 draft tokens (30 at --block-size 32): a
+    compaction must leave room for the step and keep a token. Stock vLLM
+    takes 31."""
+    def ngram(n: int) -> list[str]:
+        return ["--speculative-config",
+                json.dumps({"method": "ngram", "num_speculative_tokens": n, "prompt_lookup_max": 3})]
+
+    said = serve_config(model_path, "--kv-eviction", "h2o", *ngram(31))
+    assert isinstance(said, str), "started"
+    assert said.startswith("EvictionConfigError: --speculative-config is not supported with "
+                           "--kv-eviction h2o: num_speculative_tokens 31"), said
+    assert "at most 30 at --block-size 32" in said, said
+    cfg = serve_config(model_path, "--kv-eviction", "h2o", *ngram(30))
+    assert not isinstance(cfg, str), cfg
+    assert cfg.speculative_config.num_speculative_tokens == 30
+    stock = serve_config(model_path, *ngram(31))
+    assert not isinstance(stock, str), stock
+
+
+def test_speculation_at_pipeline_parallel_stops_startup_saying_why(model_path):
+    """Eviction alone starts at PP 2 and so does n-gram speculation
+    (test_pipeline_parallel_with_eviction_starts, stock below); both together
+    are refused."""
+    said = serve_config(model_path, "--kv-eviction", "h2o", "--speculative-config", NGRAM, *PP2)
+    assert isinstance(said, str), "started"
+    assert said.startswith("EvictionConfigError: --speculative-config is not supported with "
+                           "--kv-eviction h2o: --pipeline-parallel-size 2:"), said
+    assert "accepted a step late" in said, said
+    stock = serve_config(model_path, "--speculative-config", NGRAM, *PP2)
+    assert not isinstance(stock, str), stock
+    assert stock.parallel_config.pipeline_parallel_size == 2
+
+
+def test_refuse_speculation_rules():
+    """The check itself (patches/engine_args.refuse_speculation), for what this
+    CPU machine cannot reach through `vllm serve`: the CUDA backend refuses
+    n-gram drafts beside eviction; the CPU takes them."""
+    from vllm_kvevict.patches.engine_args import Speculation, refuse_speculation
+
+    from vllm_kvevict.core.config.settings import EvictionConfig, EvictionConfigError
+
+    h2o = EvictionConfig.from_dict({"kv_eviction": "h2o"})
+    ngram = Speculation("--speculative-config", "ngram", 2)
+    refuse_speculation(h2o, ngram, on_cpu=True, pipeline=1, block_size=32)
+    with pytest.raises(EvictionConfigError,
+                       match=r"^--speculative-config is not supported with --kv-eviction h2o: "
+                             r"speculative decoding beside eviction runs on the CPU backend only"):
+        refuse_speculation(h2o, ngram, on_cpu=False, pipeline=1, block_size=32)
+    # Eviction off, or no speculation: nothing to refuse, on either backend.
+    refuse_speculation(EvictionConfig(), ngram, on_cpu=False)
+    refuse_speculation(h2o, None, on_cpu=False)
+    # The method is unknown before vLLM builds its config: only what is known is checked.
+    refuse_speculation(h2o, Speculation("--spec-tokens", None, 30), on_cpu=True, block_size=32)
+    with pytest.raises(EvictionConfigError, match="at most 14 at --block-size 16"):
+        refuse_speculation(h2o, Speculation("--spec-tokens", None, 15), on_cpu=True,
+                           block_size=16)
+    with pytest.raises(EvictionConfigError, match=r"^--spec-method is not supported with "
+                                                  r"--kv-eviction h2o: method 'medusa'"):
+        refuse_speculation(h2o, Speculation("--spec-method", "medusa", 2), on_cpu=True)
 
 
 @pytest.mark.parametrize("eviction, ours", [p for p in EVICTION if p.id in
@@ -134,26 +262,35 @@ def test_async_scheduling_default_is_turned_off_before_vllm_decides(model_path):
     assert seen == [False, None]
 
 
-@pytest.mark.parametrize("kwargs, theirs", [
-    pytest.param({"speculative_config": json.loads(NGRAM)}, "--speculative-config", id="spec"),
-    pytest.param({"async_scheduling": True}, "--async-scheduling", id="async"),
+class Started(Exception):
+    """Raised by the stubbed LLMEngine constructor: the engine would be built."""
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    def stub(self, *args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(LLMEngine, "__init__", stub)
+
+
+@pytest.mark.parametrize("make_kwargs, theirs", [
+    # a model-drafting method (n-gram drafts are accepted offline too: below)
+    pytest.param(lambda m: {"speculative_config": {**EAGLE, "model": m}}, "--speculative-config",
+                 id="spec-eagle"),
+    pytest.param(lambda m: {"async_scheduling": True}, "--async-scheduling", id="async"),
 ])
-def test_offline_llm_is_refused_too(model_path, monkeypatch, kwargs, theirs):
+def test_offline_llm_is_refused_too(model_path, no_engine, make_kwargs, theirs):
     """LLM(...) goes through the same EngineArgs.create_engine_config hook, and
     stops before the engine is built (were it not refused, the engine's
     constructor, stubbed here, would be reached: no worker ever starts)."""
     from vllm import LLM
-    from vllm.v1.engine.llm_engine import LLMEngine
 
     from vllm_kvevict.core.config.settings import EvictionConfigError
 
-    class Started(Exception):
-        pass
-
-    def no_engine(self, *args, **kwargs):
-        raise Started
-
-    monkeypatch.setattr(LLMEngine, "__init__", no_engine)
+    kwargs = make_kwargs(model_path)
     with pytest.raises(EvictionConfigError, match=f"{theirs} is not supported with "
                                                   f"--kv-eviction h2o"):
         LLM(model_path, enforce_eager=True, block_size=32, max_model_len=512,
@@ -162,6 +299,17 @@ def test_offline_llm_is_refused_too(model_path, monkeypatch, kwargs, theirs):
     with pytest.raises(Started):  # stock vLLM gets as far as building the engine
         LLM(model_path, enforce_eager=True, block_size=32, max_model_len=512,
             kv_cache_memory_bytes=64 << 20, **kwargs)
+
+
+def test_offline_llm_with_ngram_speculation_reaches_the_engine(model_path, no_engine):
+    """n-gram drafts beside eviction pass both checks (before and after vLLM
+    builds its config) offline too: the engine's constructor is reached."""
+    from vllm import LLM
+
+    with pytest.raises(Started):
+        LLM(model_path, enforce_eager=True, block_size=32, max_model_len=512,
+            kv_cache_memory_bytes=64 << 20, additional_config={"kv_eviction": "h2o"},
+            speculative_config=json.loads(NGRAM))
 
 
 def test_cascade_attention_is_gone_from_vllm():
