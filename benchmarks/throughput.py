@@ -145,6 +145,7 @@ def run_config(cfg: dict) -> dict:
         seed=0,
         additional_config=additional,
         **({"enable_prefix_caching": False} if cfg["no_prefix_caching"] else {}),
+        **({"speculative_config": cfg["speculative"]} if cfg.get("speculative") else {}),
     )
     init_s = time.perf_counter() - t0
     try:
@@ -688,6 +689,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--same-process", action="store_true",
                    help="run configurations sequentially in this process "
                         "(default: one fresh subprocess each)")
+    p.add_argument("--speculative", metavar="JSON", default=None,
+                   help="vLLM's speculative_config for every engine, stock included (e.g. "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                        "\"prompt_lookup_max\": 4}')")
     p.add_argument("--json", metavar="OUT.json", help="write raw results")
     p.add_argument("--plot", metavar="OUT.png", help="bar chart of out tok/s per config")
     p.add_argument("--verbose", action="store_true", help="show vLLM logs of the runs")
@@ -719,7 +724,8 @@ def configs(args, model: str) -> tuple[list[dict], list[dict]]:
     common = dict(model=model, block_size=args.block_size, max_model_len=args.max_model_len,
                   dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, recent=args.recent,
                   prompt_len=args.prompt_len,
-                  warmup=not args.no_warmup, no_prefix_caching=args.no_prefix_caching)
+                  warmup=not args.no_warmup, no_prefix_caching=args.no_prefix_caching,
+                  speculative=json.loads(args.speculative) if args.speculative else None)
     pol = [(p, None) for p in args.policies if p == "none"]
     pol += [(p, b) for p in args.policies if p != "none" for b in args.budgets]
     constrained = [dict(common, table="constrained", policy=p, budget=b,
@@ -778,7 +784,8 @@ def main(argv=None) -> int:
     print(f"host: {platform.node()}, {os.cpu_count()} CPUs, python {platform.python_version()}; "
           f"model {Path(args.model).name}, {args.dtype}, KV cache {args.kv_cache_dtype}, "
           f"block {args.block_size}, "
-          f"max_model_len {args.max_model_len}, enforce_eager, temperature 0, ignore_eos  ")
+          f"max_model_len {args.max_model_len}, enforce_eager, temperature 0, ignore_eos"
+          + (f", speculative {args.speculative}" if args.speculative else "") + "  ")
     if len({x for pair in shas for x in pair}) > 1:
         print("**WARNING: the plugin source changed during this run; rows were measured "
               f"against different code** (policy:git/sha1: {code_note})  ")

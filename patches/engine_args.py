@@ -147,8 +147,11 @@ def _speculation(engine_args) -> Speculation | None:
     for flag, key in (("--spec-method", "spec_method"), ("--spec-model", "spec_model"),
                       ("--spec-tokens", "spec_tokens")):
         if getattr(engine_args, key, None) is not None:
-            return Speculation(flag, getattr(engine_args, "spec_method", None),
-                               getattr(engine_args, "spec_tokens", None))
+            method, model = getattr(engine_args, "spec_method", None), getattr(
+                engine_args, "spec_model", None)
+            if method is None and model is not None:  # as vLLM infers it
+                method = "ngram" if model in ("ngram", "[ngram]") else "draft_model"
+            return Speculation(flag, method, getattr(engine_args, "spec_tokens", None))
     return None
 
 
@@ -226,10 +229,10 @@ def apply() -> None:
         if cfg.enabled:
             cfg.check_block_size(vllm_config.cache_config.block_size)
             # Whatever set them (a platform hook, a model's own config): not with eviction.
-            built = vllm_config.speculative_config
+            built, asked = vllm_config.speculative_config, _speculation(self)
             refuse_speculation(
-                cfg, built and Speculation("--speculative-config", built.method,
-                                           built.num_speculative_tokens),
+                cfg, built and Speculation(asked.flag if asked else "--speculative-config",
+                                           built.method, built.num_speculative_tokens),
                 on_cpu=current_platform.is_cpu(),
                 pipeline=vllm_config.parallel_config.pipeline_parallel_size,
                 block_size=vllm_config.cache_config.block_size)

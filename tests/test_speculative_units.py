@@ -381,3 +381,18 @@ def test_query_window_without_spare_cells_loses_part_of_the_window():
     assert ring.window_len("a", 7) == 2
     got, _ = ring.windows(["a"], ["l0"], [7])
     assert got.shape[1] == 2 and torch.equal(got[0], q[5:7])
+
+
+def test_the_worker_decode_log_holds_a_row_of_many_drafts():
+    """Startup allows up to block_size - 2 drafts (62 at 64-token blocks), more
+    than the decode log's default depth of 32: the worker's log must hold a
+    whole drafted row (a 41-query row into a 32-deep log raised before)."""
+    from vllm_kvevict.integration.worker import WorkerEviction
+
+    cfg = EvictionConfig(policy="h2o", budget=256)
+    log = WorkerEviction(cfg, 64, max_drafts=40).decode_log
+    assert log.depth >= 41
+    placement = log.place(["r"], [41], [300], drafts=[40])
+    assert placement.tokens.tolist() == list(range(41))
+    assert log.visible[log.row_of["r"], :41].tolist() == list(range(260, 301))
+    assert WorkerEviction(cfg, 32).decode_log.depth == 32  # no drafts: as before

@@ -108,6 +108,10 @@ EAGLE = {"method": "eagle", "model": "x", "num_speculative_tokens": 2}
                  "--speculative-config", "draft_model", id="draft-model"),
     pytest.param(["--spec-method", "eagle", "--spec-model", "x", "--spec-tokens", "2"],
                  "--spec-method", "eagle", id="spec-method-eagle"),
+    # A draft model without a method: vLLM infers draft_model, and so must the
+    # early check (it let this through to vLLM's own ValidationError before).
+    pytest.param(["--spec-model", "x", "--spec-tokens", "2"],
+                 "--spec-model", "draft_model", id="spec-model"),
 ])
 def test_model_drafting_methods_stop_startup_naming_the_method(model_path, setting, theirs,
                                                                method):

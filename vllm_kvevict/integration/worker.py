@@ -39,7 +39,7 @@ from vllm_kvevict.core.scoring.chunk_log import ChunkLog
 from vllm_kvevict.core.eviction.compaction import fill_holes, slot_order
 from vllm_kvevict.core.config.settings import EvictionConfig
 from vllm_kvevict.core.layouts.cpu_layout import token_slots
-from vllm_kvevict.core.scoring.decode_log import DecodeQueryLog, StepPlacement
+from vllm_kvevict.core.scoring.decode_log import DECODE_DEPTH, DecodeQueryLog, StepPlacement
 from vllm_kvevict.core.offload.host_tier import HostTier
 from vllm_kvevict.core.eviction.kernel_dispatch import (
     cpu_path,
@@ -82,7 +82,8 @@ class WorkerEviction:
         # after its last compaction (fill_holes leaves slots out of order):
         # 4 bytes per resident token and head, beside 4 * D bytes of its KV.
         self.order: dict[str, torch.Tensor] = {}
-        self.decode_log = DecodeQueryLog()
+        # A decode row logs its token and its drafts at once: room for a row.
+        self.decode_log = DecodeQueryLog(max(DECODE_DEPTH, 1 + max_drafts))
         # What the recorders keep (empty unless the policy's recorder uses them):
         self.chunk_log = ChunkLog()  # Record.ATTENTION: short prefill chunks, scored next step
         self.private = PrivateScores()  # Record.ATTENTION: scores of shared first blocks
