@@ -21,6 +21,7 @@ original, delegates to it, and refuses to patch twice.
 | cpu_seeded_sampling    | GPUModelRunner._sample / _bookkeeping_sync (CPU: a seeded request's chunked prompt killed the engine) |
 | metrics_registry       | prometheus_client.multiprocess.MultiProcessCollector, as vLLM's /metrics builds it (the eviction series with several API servers) |
 | worker_memory          | CPUWorker / Worker.determine_available_memory (an auto-sized cache leaves room for eviction's buffers) |
+| dispatcher_scan        | vllm.triton_utils.dispatcher's `vars` (an engine after an n-gram speculative one failed to start: llvmlite's wrapper) |
 
 vLLM internals used outside this folder (no patch: read, called, subclassed or
 stamped; each may break on a vLLM upgrade, so each is listed here, and
@@ -55,7 +56,7 @@ PATCHES = ("engine_args", "scheduler_schedule", "runner_update_states",
            "request_validation", "ray_on_cpu", "kv_manager_modules", "engine_core_modules",
            "runner_positions", "input_processor_pml", "async_llm_pml", "tokenize_truncation",
            "pp_intermediate_tensors", "cpu_seeded_sampling",
-           "metrics_registry", "worker_memory")
+           "metrics_registry", "worker_memory", "dispatcher_scan")
 _applied: set[str] = set()
 
 

@@ -7,7 +7,10 @@ library wrapper, which the n-gram proposer's numba import brought in).
     python tests/plugin_speculative.py MODEL MAX_TOKENS POLICY KV_BYTES \
         < {"prompts": [...], "budgets": [...], "speculative_config": {...}}
 
-Prints IDS= and, after it, what the worker and the scheduler saw (STATS=).
+Prints IDS= and, after it, what the worker and the scheduler saw (STATS=):
+tokens evicted, the most blocks a request held in a decode step, blocks held
+once every request finished, drafts logged and rolled back, H2O's score mass,
+the window's rows.
 """
 
 import json
@@ -26,13 +29,29 @@ if __name__ == "__main__":
               additional_config={"kv_eviction": policy, "kv_budget": 1024})
     params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                              extra_args={"kv_budget": b}) for b in payload["budgets"]]
-    outs = llm.generate(payload["prompts"], params, use_tqdm=False)
-
     from vllm_kvevict.integration.worker import worker_state
-    from vllm_kvevict.probe import full_attention_manager, scheduler_of
+    from vllm_kvevict.probe import BlockProbe, attach, full_attention_manager, scheduler_of
+
+    class DecodeBlocks(BlockProbe):
+        """The most blocks a request held in a decode step (vLLM counts a
+        step's tokens computed once scheduled: the prompt's last chunk has
+        num_computed == prompt, its first decode step more)."""
+        max_decode_blocks = 0
+
+        def sample(self, output) -> None:
+            super().sample(output)
+            for m in self.managers():
+                for req_id, blocks in m.req_to_blocks.items():
+                    req = self.scheduler.requests.get(req_id)
+                    if req is not None and req.num_computed_tokens > req.num_prompt_tokens:
+                        self.max_decode_blocks = max(self.max_decode_blocks, len(blocks))
+
+    probe = attach(llm, DecodeBlocks)
+    outs = llm.generate(payload["prompts"], params, use_tqdm=False)
 
     state = worker_state()
     stats = {"evicted": full_attention_manager(scheduler_of(llm)).num_tokens_evicted,
+             "max_decode_blocks": probe.max_decode_blocks, "used_after": probe.used_blocks(),
              "drafts_logged": state.drafts_logged, "drafts_rejected": state.drafts_rejected,
              "score_sum": sum(float(lc.scores.abs().sum()) for lc in state.layers.values()),
              "window_rows": len(state.query_window.row_of)}

@@ -18,8 +18,9 @@ Proved here, SmolLM2 in float32, block 32, k = 4:
     and the tokens equal, with drafts proposed, accepted and rejected;
   * within the budget, scored every step, every policy's tokens equal stock
     vLLM's with the same drafts (a child with VLLM_PLUGINS="");
-  * over the budget, no request holds more than the budget's blocks at any
-    step by vLLM's own req_to_blocks, and the pool is whole after.
+  * over the budget, under every policy, no request holds more than the
+    budget's blocks in any decode step by vLLM's own req_to_blocks, and the
+    pool is whole after.
 """
 from __future__ import annotations
 
@@ -160,6 +161,29 @@ def test_blocks_stay_within_the_budget_and_return_to_the_pool(h2o, prompts):
     assert probe.used_blocks() == 0
 
 
+def test_an_engine_starts_after_an_ngram_engine_in_the_same_process(h2o, model_path):
+    """vLLM 0.32's kernel dispatcher scans every module at engine start and
+    tripped on llvmlite's library wrapper, which the n-gram proposer's numba
+    import loads: after one n-gram engine no other engine started in the
+    process (the suite's xdist workers failed every later engine).
+    patches/dispatcher_scan.py: a plain engine starts after this module's."""
+    from vllm import SamplingParams
+
+    import llvmlite.binding.ffi  # noqa: F401  (loaded by the n-gram engine: the trap is set)
+
+    from vllm import LLM
+
+    _close_once(h2o)
+    engine = LLM(model_path, enforce_eager=True, dtype="float32", block_size=BLOCK,
+                 max_model_len=256, kv_cache_memory_bytes=16 << 20, seed=0)
+    try:
+        [out] = engine.generate(["One, two,"], SamplingParams(temperature=0, max_tokens=4),
+                                use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 4
+    finally:
+        close(engine)
+
+
 @pytest.mark.parametrize("policy", ["h2o", "snapkv", "andpro", "streaming"])
 def test_scored_within_budget_with_drafts_is_token_identical_to_stock(model_path, hf, policy):
     """Each request's budget is just past what its drafts can reach
@@ -201,3 +225,26 @@ def _child(script: str, args: list, payload) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {line[:line.index("=") + 1]: json.loads(line[line.index("=") + 1:])
             for line in proc.stdout.splitlines() if line.startswith(("IDS=", "STATS="))}
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "andpro", "streaming"])
+def test_window_policies_with_drafts_over_the_budget_free_their_blocks(model_path, hf, policy):
+    """The other policies over a budget of 64 (two blocks) with drafts: every
+    request compacts, none holds more than the budget's blocks in a decode
+    step (vLLM's req_to_blocks), the rejected drafts leave the window, and
+    the pool is whole after (a child: tests/plugin_speculative.py)."""
+    from vllm_kvevict.core.eviction.planner import max_blocks_per_request
+
+    texts = ["Repeat this list three times: apple, banana, cherry, date, elderberry, fig.",
+             "Write a Python function that sorts a list with merge sort, then test it.",
+             "Count from one to fifty in words, separated by commas."]
+    n = 160
+    payload = {"prompts": texts, "budgets": [BUDGET] * len(texts), "speculative_config": SPEC}
+    said = _child("plugin_speculative.py", [model_path, n, policy, kv_bytes("float32")], payload)
+    ids, stats = said["IDS="], said["STATS="]
+    assert [len(x) for x in ids] == [n] * len(texts)
+    assert stats["evicted"] >= len(texts) * (n - BUDGET), stats
+    assert 0 < stats["max_decode_blocks"] <= max_blocks_per_request(BUDGET, BLOCK), stats
+    assert stats["used_after"] == 0, stats
+    if policy != "streaming":  # (which records nothing, so logs no draft)
+        assert 0 < stats["drafts_rejected"] < stats["drafts_logged"], stats
