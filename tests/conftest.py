@@ -198,6 +198,14 @@ def fresh_engines(engines):
     return engines
 
 
+def close_once(engine) -> None:
+    """close(engine), once: a module's engine closed early by a test that needs
+    the process to itself is not closed again by its fixture."""
+    if not getattr(engine, "_closed", False):
+        engine._closed = True
+        close(engine)
+
+
 def run_stock(script: str, args: list, payload, marker: str):
     """Run tests/`script` (a stock-vLLM child, tests/stock_engine.py) with
     `args`, `payload` as JSON on its stdin; return the JSON it printed after

@@ -30,21 +30,8 @@ if __name__ == "__main__":
     params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                              extra_args={"kv_budget": b}) for b in payload["budgets"]]
     from vllm_kvevict.integration.worker import worker_state
-    from vllm_kvevict.probe import BlockProbe, attach, full_attention_manager, scheduler_of
-
-    class DecodeBlocks(BlockProbe):
-        """The most blocks a request held in a decode step (vLLM counts a
-        step's tokens computed once scheduled: the prompt's last chunk has
-        num_computed == prompt, its first decode step more)."""
-        max_decode_blocks = 0
-
-        def sample(self, output) -> None:
-            super().sample(output)
-            for m in self.managers():
-                for req_id, blocks in m.req_to_blocks.items():
-                    req = self.scheduler.requests.get(req_id)
-                    if req is not None and req.num_computed_tokens > req.num_prompt_tokens:
-                        self.max_decode_blocks = max(self.max_decode_blocks, len(blocks))
+    from decode_blocks import DecodeBlocks
+    from vllm_kvevict.probe import attach, full_attention_manager, scheduler_of
 
     probe = attach(llm, DecodeBlocks)
     outs = llm.generate(payload["prompts"], params, use_tqdm=False)

@@ -28,7 +28,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # worker in this p
 
 import pytest
 import torch
-from conftest import close, kv_bytes, run_stock
+from conftest import close, close_once, kv_bytes, run_stock
 from test_h2o_reference import (  # noqa: F401  (fixture one_thread)
     BLOCK, BUDGET, CHUNK, MAX_TOKENS, PREFILL, RECENT, DenseH2O, KeptSetChecker, _prompts,
     _vllm_generate, h2o_generate, one_thread)
@@ -69,13 +69,7 @@ def llm(hybrid_path, engines):
     torch._C.set_num_threads(1)
     assert worker_state() is not None, "no in-process worker state: is multiprocessing on?"
     yield engine
-    _close_once(engine)
-
-
-def _close_once(engine) -> None:
-    if not getattr(engine, "_closed", False):
-        engine._closed = True
-        close(engine)
+    close_once(engine)
 
 
 def _groups(llm):
@@ -206,7 +200,7 @@ def test_window_policies_on_a_hybrid_model_match_dense_reference(llm, hf, kind):
     from test_window_reference import WINDOW as QUERY_WINDOW
 
     model, tok = hf
-    _close_once(llm)  # one in-process engine at a time: the module's is done by now
+    close_once(llm)  # one in-process engine at a time: the module's is done by now
     prompt = _prompts(tok)[2]
     engine = _engine(llm_path(llm), additional_config={
         "kv_eviction": kind, "kv_budget": WINDOW_BUDGET, "kv_window": QUERY_WINDOW})
@@ -238,7 +232,7 @@ def test_scored_within_budget_is_token_identical_to_stock(llm, hybrid_path):
     vLLM's on the same hybrid model (a child with VLLM_PLUGINS=""), float32."""
     from vllm_kvevict.integration.worker import worker_state
 
-    _close_once(llm)  # one in-process engine at a time: the module's is done by now
+    close_once(llm)  # one in-process engine at a time: the module's is done by now
     prompts = ["Write a detailed story about a lighthouse keeper who finds a message.",
                "The GNU General Public License is a free, copyleft license for software "
                "and other kinds of works. Summarize what copyleft means, and why."]
@@ -267,7 +261,7 @@ def test_what_eviction_cannot_serve_is_refused_at_startup(llm, hybrid_path, mode
     """Windowed layers in the full-attention group would read their window over
     compacted slots; a model of windowed layers only has nothing to evict.
     Both stop at startup with the reason (not a silent stock run)."""
-    _close_once(llm)  # one in-process engine at a time: the module's is done by now
+    close_once(llm)  # one in-process engine at a time: the module's is done by now
     if case == "hybrid manager off":
         path, kwargs, says = hybrid_path, {"disable_hybrid_kv_cache_manager": True}, \
             "drop --disable-hybrid-kv-cache-manager"

@@ -30,7 +30,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # worker in this p
 
 import pytest
 import torch
-from conftest import close, kv_bytes, run_stock
+from conftest import close, close_once, kv_bytes, run_stock
 from test_h2o_reference import (BLOCK, BUDGET, CHUNK, RECENT, KeptSetChecker, _prompts,
                                 _vllm_generate, h2o_generate)
 
@@ -70,13 +70,7 @@ def h2o(model_path, engines):
     engine = _engine(model_path, kv_eviction="h2o", kv_budget=BUDGET, kv_recent=RECENT)
     assert worker_state() is not None, "no in-process worker state: is multiprocessing on?"
     yield engine
-    _close_once(engine)
-
-
-def _close_once(engine) -> None:
-    if not getattr(engine, "_closed", False):
-        engine._closed = True
-        close(engine)
+    close_once(engine)
 
 
 @pytest.fixture(scope="module")
@@ -118,27 +112,6 @@ def test_h2o_with_drafts_matches_dense_reference(h2o, hf, prompts, idx):
     assert got_tokens == ref_tokens, f"first differing generated token: {first_diff}"
 
 
-def _decode_blocks_probe():
-    from vllm_kvevict.probe import BlockProbe
-
-    class DecodeBlocks(BlockProbe):
-        """Also the most blocks a request held in a decode step (a prompt
-        longer than the budget holds its blocks until it is compacted, at its
-        first decode step; vLLM counts a step's tokens computed once it is
-        scheduled, so the prompt's last chunk has num_computed == prompt)."""
-        max_decode_blocks = 0
-
-        def sample(self, output) -> None:
-            super().sample(output)
-            for m in self.managers():
-                for req_id, blocks in m.req_to_blocks.items():
-                    req = self.scheduler.requests.get(req_id)
-                    if req is not None and req.num_computed_tokens > req.num_prompt_tokens:
-                        self.max_decode_blocks = max(self.max_decode_blocks, len(blocks))
-
-    return DecodeBlocks
-
-
 def test_blocks_stay_within_the_budget_and_return_to_the_pool(h2o, prompts):
     """Four requests at once, over budget 64: at every step each holds at most
     the budget's two blocks (vLLM's req_to_blocks), drafts included, and the
@@ -148,7 +121,9 @@ def test_blocks_stay_within_the_budget_and_return_to_the_pool(h2o, prompts):
     from vllm_kvevict.core.eviction.planner import max_blocks_per_request
     from vllm_kvevict.probe import attach
 
-    probe = attach(h2o, _decode_blocks_probe())
+    from decode_blocks import DecodeBlocks
+
+    probe = attach(h2o, DecodeBlocks)
     logged0, _ = _drafts()
     outs = h2o.generate([{"prompt_token_ids": p} for p in [*prompts, prompts[0][:90]]],
                         SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
@@ -173,7 +148,7 @@ def test_an_engine_starts_after_an_ngram_engine_in_the_same_process(h2o, model_p
 
     from vllm import LLM
 
-    _close_once(h2o)
+    close_once(h2o)
     engine = LLM(model_path, enforce_eager=True, dtype="float32", block_size=BLOCK,
                  max_model_len=256, kv_cache_memory_bytes=16 << 20, seed=0)
     try:
