@@ -222,14 +222,7 @@ def test_decode_log_flush_scores_every_layer_of_a_stack_in_one_call(flush_order)
 
     gen = torch.Generator().manual_seed(11)
     h, g, n_layers = 3, 3, 3
-    buf = torch.zeros(n_layers, NB, h, BS, 2 * D)
-    layout = discover_layout("vec", torch.float32, BS, D, h)
-    keys = []
-    for layer in range(n_layers):
-        kc, vc = split_kv_cache(buf[layer])
-        k = torch.randn(NB * BS, h, D, generator=gen)
-        ops.cpu_attn_reshape_and_cache(k, k, kc, vc, torch.arange(NB * BS), "vec")
-        keys.append(k)
+    buf, layout, keys = layer_caches(gen, n_layers, h)
     layers = {f"l{i}": LayerCache(buf[i], layout, torch.zeros(h, NB * BS))
               for i in range(n_layers)}
     stacks = LayerStack.build(layers)
@@ -261,3 +254,18 @@ def test_decode_log_flush_scores_every_layer_of_a_stack_in_one_call(flush_order)
             want[:, b_slots[:16]] = 0
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert not any(log.count.values())
+
+
+def layer_caches(gen: torch.Generator, n_layers: int, h: int):
+    """(n_layers, NB, h, BS, 2 * D) float32 vec caches with random keys (and
+    the same values) in every slot, their layout, and each layer's keys
+    (NB * BS, h, D) in slot order."""
+    buf = torch.zeros(n_layers, NB, h, BS, 2 * D)
+    layout = discover_layout("vec", torch.float32, BS, D, h)
+    keys = []
+    for layer in range(n_layers):
+        kc, vc = split_kv_cache(buf[layer])
+        k = torch.randn(NB * BS, h, D, generator=gen)
+        ops.cpu_attn_reshape_and_cache(k, k, kc, vc, torch.arange(NB * BS), "vec")
+        keys.append(k)
+    return buf, layout, keys

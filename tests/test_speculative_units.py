@@ -11,17 +11,14 @@ reference) is in tests/test_speculative_decoding.py.
 
 import pytest
 import torch
-import vllm._custom_ops as ops  # noqa: E402  (a missing vLLM fails, never skips)
-from test_scores import BS, D, NB, _dense
+from test_scores import BS, D, NB, _dense, layer_caches
 
 from vllm_kvevict.core.config.settings import EvictionConfig
 from vllm_kvevict.core.eviction.blocks import PoolView, RequestState, compaction_point
 from vllm_kvevict.core.eviction.planner import compaction_target, never_compacts
-from vllm_kvevict.core.layouts.cpu_layout import split_kv_cache
 from vllm_kvevict.core.scoring.chunk_log import ChunkLog
 from vllm_kvevict.core.scoring.decode_log import DecodeQueryLog, StepPlacement
 from vllm_kvevict.core.scoring.query_window import QueryWindow
-from vllm_kvevict.integration.cpu_backend import discover_layout
 
 
 def h2o(budget) -> EvictionConfig:
@@ -269,14 +266,7 @@ def test_rolled_back_drafts_score_as_the_accepted_tokens_one_step_at_a_time():
     rollback the rejected drafts' attention would be in the scores."""
     gen = torch.Generator().manual_seed(5)
     h, g, n_layers, scale = 3, 3, 2, 0.2
-    buf = torch.zeros(n_layers, NB, h, BS, 2 * D)
-    layout = discover_layout("vec", torch.float32, BS, D, h)
-    keys = []
-    for layer in range(n_layers):
-        kc, vc = split_kv_cache(buf[layer])
-        k = torch.randn(NB * BS, h, D, generator=gen)
-        ops.cpu_attn_reshape_and_cache(k, k, kc, vc, torch.arange(NB * BS), "vec")
-        keys.append(k)
+    buf, layout, keys = layer_caches(gen, n_layers, h)
     table = {"a": [3, 7, 1, 12], "b": [10, 2]}
 
     # (req_ids, q_lens, physical lengths after the step, drafts, rejected per request)
