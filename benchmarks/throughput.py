@@ -97,6 +97,8 @@ class StepRecorder(BlockProbe):
         self.running: list[int] = []
         self.last_len: dict[str, tuple[int, int, int]] = {}  # rid -> (logical, physical, blocks)
         self.req_max: dict[str, dict] = {}  # rid -> state when it held the most blocks
+        self.drafts = 0  # speculative tokens verified (vLLM's scheduled_spec_decode_tokens)
+        self.accepted = 0  # of those, accepted by the verifier
 
     def sample(self, out) -> None:
         if out.total_num_scheduled_tokens == 0:
@@ -118,6 +120,25 @@ class StepRecorder(BlockProbe):
                     "physical": physical, "prompt": req.num_prompt_tokens,
                     "scheduled_now": out.num_scheduled_tokens.get(rid, 0),
                     "num_preemptions": req.num_preemptions}
+
+
+def count_drafts(rec: StepRecorder) -> None:
+    """Count drafts and accepted drafts as vLLM's scheduler does in
+    update_from_output (a drafted request samples 1 + accepted tokens), without
+    turning on vLLM's stat loggers."""
+    sched = rec.scheduler
+    update = sched.update_from_output
+
+    def counted(scheduler_output, model_runner_output, *args, **kwargs):
+        sampled = model_runner_output.sampled_token_ids
+        index = model_runner_output.req_id_to_index
+        for rid, drafts in (scheduler_output.scheduled_spec_decode_tokens or {}).items():
+            if sampled and rid in index and len(sampled[index[rid]]):
+                rec.drafts += len(drafts)
+                rec.accepted += len(sampled[index[rid]]) - 1
+        return update(scheduler_output, model_runner_output, *args, **kwargs)
+
+    sched.update_from_output = counted
 
 
 def run_config(cfg: dict) -> dict:
@@ -151,6 +172,8 @@ def run_config(cfg: dict) -> dict:
     try:
         rec = attach(llm, StepRecorder)
         scheduler, mgr = rec.scheduler, rec.manager
+        if cfg.get("speculative"):
+            count_drafts(rec)
 
         prompts = make_prompts(cfg["model"], cfg["num_requests"], cfg["prompt_len"])
         params = SamplingParams(max_tokens=cfg["output_len"], ignore_eos=True,
@@ -319,6 +342,8 @@ def _timed(rec: StepRecorder, mgr, cfg, run, lengths: list[int], clock: StepCloc
         "blocks_trace": rec.blocks_used,  # per step, vLLM's BlockPool
         "running_trace": rec.running,  # per step, len(Scheduler.running)
         "preemptions": rec.preemptions,
+        "drafts": rec.drafts,
+        "drafts_accepted": rec.accepted,
         "max_blocks_per_request": rec.max_blocks_per_request,
         # the requests that held the most blocks, and their state at that step
         "max_blocks_detail": sorted(rec.req_max.values(), key=lambda d: -d["blocks"])[:5],
@@ -365,8 +390,8 @@ def child_failure(cfg: dict, rc: int, tail: str) -> dict:
 
 
 def run_one(cfg: dict, same_process: bool, verbose: bool) -> dict:
-    label = f"{cfg['table']}: {cfg['policy']} budget={cfg['budget']}"
-    print(f"[throughput] running {label} ...", file=sys.stderr, flush=True)
+    print(f"[throughput] running {cfg['table']}: {label(cfg)} budget={cfg['budget']} ...",
+          file=sys.stderr, flush=True)
     if same_process:
         try:
             res = run_config(cfg)
@@ -382,7 +407,7 @@ def run_one(cfg: dict, same_process: bool, verbose: bool) -> dict:
 
 
 def _log_result(res: dict) -> None:
-    what = f"{res['table']}: {res['policy']} budget={res['budget']}"
+    what = f"{res['table']}: {label(res)} budget={res['budget']}"
     if res.get("ok"):
         print(f"[throughput] {what}: {res['out_tok_s']:.1f} out tok/s, "
               f"{res['wall_s']:.1f}s, preemptions={res['preemptions']}",
@@ -477,14 +502,20 @@ def best_of(rs: list[dict]) -> dict:
 
 
 def stock_of(results: list[dict]) -> dict | None:
-    return next((r for r in results if r["policy"] == "none" and r.get("ok")
-                 and r.get("pool_multiple", 1) == 1), None)
+    """The row every speedup is against: stock vLLM on the same pool, and
+    without speculative decoding where a run has both."""
+    stock = [r for r in results if r["policy"] == "none" and r.get("ok")
+             and r.get("pool_multiple", 1) == 1]
+    return min(stock, key=lambda r: bool(r.get("speculative")), default=None)
 
 
 def label(r: dict) -> str:
-    """'none', 'none, 5x pool' or 'h2o'."""
+    """'none', 'none, 5x pool', 'h2o' or 'h2o + ngram k=4'."""
     m = r.get("pool_multiple", 1)
-    return r["policy"] if m == 1 else f"{r['policy']}, {m}x pool"
+    spec = r.get("speculative")
+    return (r["policy"] + ("" if m == 1 else f", {m}x pool")
+            + (f" + {spec.get('method', 'spec')} k={spec.get('num_speculative_tokens')}"
+               if spec else ""))
 
 
 def divergence(r: dict, stock: dict | None) -> float | None:
@@ -573,8 +604,8 @@ def notes(results: list[dict]) -> str:
     for r in results:
         if not r.get("ok"):
             continue
-        name = ("stock" if r.get("pool_multiple", 1) == 1 else f"stock {r['pool_multiple']}x pool"
-                ) if r["policy"] == "none" else f"{r['policy']}@{r['budget']}"
+        name = label(dict(r, policy="stock" if r["policy"] == "none"
+                          else f"{r['policy']}@{r['budget']}"))
         d = divergence(r, stock)
         reps = ", ".join(f"{v:.1f}" for v in r["repeat_out_tok_s"])
         if any(r.get("repeat_capacity_out_tok_s") or ()):
@@ -589,7 +620,10 @@ def notes(results: list[dict]) -> str:
                    f"mean {fmt(r['ms_per_step'], '.1f')} ms/step, CPU {r['cpu_s']:.1f}s, "
                    f"tok/s per run [{reps}], 1-min load {load}, "
                    f"{r['num_compactions']} compactions / {r['num_tokens_evicted']} tokens "
-                   f"evicted" + ("" if d is None else
+                   f"evicted"
+                   + (f", drafts accepted {r['drafts_accepted']}/{r['drafts']} "
+                      f"({r['drafts_accepted'] / r['drafts']:.0%})" if r.get("drafts") else "")
+                   + ("" if d is None else
                                  f", same tokens as stock for {d:.0%} of each output "
                                  f"(mean prefix)"))
     return "\n".join(out)
@@ -693,6 +727,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="vLLM's speculative_config for every engine, stock included (e.g. "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                         "\"prompt_lookup_max\": 4}')")
+    p.add_argument("--speculative-both", action="store_true",
+                   help="with --speculative: run every configuration with and without it, "
+                        "in the same tables (speedups are against stock without it)")
     p.add_argument("--json", metavar="OUT.json", help="write raw results")
     p.add_argument("--plot", metavar="OUT.png", help="bar chart of out tok/s per config")
     p.add_argument("--verbose", action="store_true", help="show vLLM logs of the runs")
@@ -714,6 +751,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.interleave and (args.same_process or args.repeats > 1 or args.ample_repeats > 1):
         p.error("--interleave runs one fresh process per configuration and round: "
                 "use --rounds, not --repeats or --same-process")
+    if args.speculative_both and not args.speculative:
+        p.error("--speculative-both needs --speculative JSON")
     for b in args.budgets:
         if args.recent > b:
             p.error(f"--recent {args.recent} exceeds budget {b}")
@@ -744,6 +783,9 @@ def configs(args, model: str) -> tuple[list[dict], list[dict]]:
     steady = [dict(c, table="steady", workload="steady", arrival_gap=args.arrival_gap)
               for c in constrained if "steady" in args.workloads]
     constrained = [c for c in constrained if "lockstep" in args.workloads] + steady
+    if args.speculative_both:  # each config, then the same without drafts
+        constrained, ample = ([v for c in cs for v in (c, dict(c, speculative=None))]
+                              for cs in (constrained, ample))
     if args.skip_constrained:
         constrained = []
     if args.skip_ample:
