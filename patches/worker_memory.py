@@ -68,7 +68,8 @@ def _footprint(worker, cfg) -> tuple[int, Footprint]:
                    num_q_heads=model.get_num_attention_heads(parallel),
                    head_size=max(s.head_size for s in specs),
                    query_bytes=model.dtype.itemsize,
-                   on_cpu=current_platform.is_cpu())
+                   on_cpu=current_platform.is_cpu(),
+                   drafts=getattr(worker.vllm_config, "num_speculative_tokens", 0))
     return slot_bytes, fp
 
 

@@ -5,12 +5,13 @@ dispatcher scans every module at engine start and trips on llvmlite's
 library wrapper, which the n-gram proposer's numba import brought in).
 
     python tests/plugin_speculative.py MODEL MAX_TOKENS POLICY KV_BYTES \
-        < {"prompts": [...], "budgets": [...], "speculative_config": {...}}
+        < {"prompts": [...], "budgets": [...], "speculative_config": {...},
+           "schema": optional PML schema, registered before the prompts run}
 
 Prints IDS= and, after it, what the worker and the scheduler saw (STATS=):
 tokens evicted, the most blocks a request held in a decode step, blocks held
-once every request finished, drafts logged and rolled back, H2O's score mass,
-the window's rows.
+once every request finished (a schema's pinned blocks aside), drafts logged and
+rolled back, H2O's score mass, the window's rows, each output's cached tokens.
 """
 
 import json
@@ -33,14 +34,22 @@ if __name__ == "__main__":
     from decode_blocks import DecodeBlocks
     from vllm_kvevict.probe import attach, full_attention_manager, scheduler_of
 
+    if payload.get("schema"):
+        from vllm_kvevict.integration import prompt_modules as pm
+
+        pm.register_schema(llm, payload["schema"])
+        pinned = sum(len(e["block_ids"]) for e in pm.pinned_modules(llm).values())
+    else:
+        pinned = 0
     probe = attach(llm, DecodeBlocks)
     outs = llm.generate(payload["prompts"], params, use_tqdm=False)
 
     state = worker_state()
     stats = {"evicted": full_attention_manager(scheduler_of(llm)).num_tokens_evicted,
-             "max_decode_blocks": probe.max_decode_blocks, "used_after": probe.used_blocks(),
+             "max_decode_blocks": probe.max_decode_blocks, "used_after": probe.used_blocks() - pinned,
              "drafts_logged": state.drafts_logged, "drafts_rejected": state.drafts_rejected,
              "score_sum": sum(float(lc.scores.abs().sum()) for lc in state.layers.values()),
-             "window_rows": len(state.query_window.row_of)}
+             "window_rows": len(state.query_window.row_of),
+             "num_cached": [o.num_cached_tokens for o in outs]}
     print("IDS=" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
     print("STATS=" + json.dumps(stats))

@@ -136,6 +136,62 @@ def test_blocks_stay_within_the_budget_and_return_to_the_pool(h2o, prompts):
     assert probe.used_blocks() == 0
 
 
+def test_prompt_modules_with_drafts_copy_on_write(h2o):
+    """Prompt modules under H2O over its budget, with drafts: an importer's
+    compactions and its drafts' writes (rejected ones included) go to private
+    blocks, never into the pinned module blocks; a second importer gets the
+    same tokens; the pool is whole once the schema is removed."""
+    from test_prompt_modules import PROMPT, SCHEMA, _ref_counts, read_kv
+    from test_prompt_modules_engines import _assert_kv_unchanged, _remove_and_check_pool_whole
+    from vllm import SamplingParams
+
+    from vllm_kvevict.integration import prompt_modules as pm
+    from vllm_kvevict.probe import full_attention_manager, scheduler_of
+
+    manager = full_attention_manager(scheduler_of(h2o))
+    try:
+        pm.register_schema(h2o, SCHEMA)
+        ids = [b for e in pm.pinned_modules(h2o).values() for b in e["block_ids"]]
+        before = h2o.collective_rpc(read_kv, args=(3, ids))[0]
+        sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        compactions0, (logged0, rejected0) = manager.num_compactions, _drafts()
+        first = h2o.generate([PROMPT], sp, use_tqdm=False)[0]
+        assert manager.num_compactions > compactions0 and first.num_cached_tokens > 0
+        logged, rejected = (a - b for a, b in zip(_drafts(), (logged0, rejected0)))
+        assert 0 < rejected < logged, (logged, rejected)
+        _assert_kv_unchanged(h2o, ids, before)
+        second = h2o.generate([PROMPT], sp, use_tqdm=False)[0]
+        assert second.num_cached_tokens == first.num_cached_tokens
+        assert second.outputs[0].token_ids == first.outputs[0].token_ids
+        _assert_kv_unchanged(h2o, ids, before)
+        assert all(r == [1] * len(r) for r in _ref_counts(h2o).values())
+        _remove_and_check_pool_whole(h2o)
+    finally:
+        pm.REGISTRY.schemas.pop("people", None)
+
+
+def test_prompt_modules_with_drafts_match_dense_reference(model_path, hf):
+    """A module prompt under H2O with drafts, its budget just past what its
+    drafts can reach (scored every step, nothing evicted): the tokens are the
+    dense Prompt Cache computation's (tests/test_prompt_modules.py), the module
+    tokens come from the pinned blocks, and drafts were accepted and rejected
+    (a child: tests/plugin_speculative.py)."""
+    from test_prompt_modules import PROMPT, SCHEMA, dense_reference, expected_layout
+
+    model, tok = hf
+    _, ids, positions, segment = expected_layout(tok)
+    n = 48
+    payload = {"prompts": [PROMPT], "budgets": [len(ids) + n + DRAFTS - 1],
+               "speculative_config": SPEC, "schema": SCHEMA}
+    said = _child("plugin_speculative.py", [model_path, n, "h2o", kv_bytes("float32")], payload)
+    [got], stats = said["IDS="], said["STATS="]
+    assert stats["num_cached"] == [sum(i >= 0 for i in segment)], stats
+    assert stats["evicted"] == 0 and stats["used_after"] == 0, stats
+    assert 0 < stats["drafts_rejected"] < stats["drafts_logged"], stats
+    assert stats["score_sum"] > 0, stats
+    assert got == dense_reference(model, ids, positions, segment, n)
+
+
 def test_an_engine_starts_after_an_ngram_engine_in_the_same_process(h2o, model_path):
     """vLLM 0.32's kernel dispatcher scans every module at engine start and
     tripped on llvmlite's library wrapper, which the n-gram proposer's numba

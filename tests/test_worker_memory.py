@@ -49,6 +49,21 @@ def test_footprint_follows_the_window_and_the_offload_pool():
     assert on_cpu.fixed - on_gpu.fixed == pool  # host memory is the cache's only on CPU
 
 
+def test_footprint_holds_the_drafts_rows():
+    """Speculative decoding, k drafts a step: the window keeps k spare queries
+    and H2O's decode log is 1 + k deep where that passes DECODE_DEPTH
+    (worker.py: QueryWindow(window, spare=k), DecodeQueryLog(max(...)))."""
+    from vllm_kvevict.core.scoring.decode_log import DECODE_DEPTH
+
+    query = 30 * 9 * 64 * 2
+    assert footprint(_cfg("snapkv"), **SMOL, on_cpu=True, drafts=4).per_request == 36 * query
+    assert footprint(_cfg("h2o"), **SMOL, on_cpu=True, drafts=4) == \
+        footprint(_cfg("h2o"), **SMOL, on_cpu=True)  # 1 + 4 <= DECODE_DEPTH
+    deep = footprint(_cfg("h2o"), **SMOL, on_cpu=True, drafts=2 * DECODE_DEPTH)
+    assert deep.per_request == (2 * DECODE_DEPTH + 1) * (query + 8)
+    assert footprint(_cfg("streaming"), **SMOL, on_cpu=True, drafts=4).per_request == 0
+
+
 def test_h2o_on_cuda_keeps_no_query_logs():
     """On CUDA H2O scores every query in its own step (recorders.places): per
     slot as on CPU, no decode or chunk log; SnapKV's window is kept on both."""

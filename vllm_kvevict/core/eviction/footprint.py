@@ -19,7 +19,9 @@ long request (docs/results.md, twenty-eighth session). What the worker holds
   per request row (the logs grow by doubling: at most 2 x max_num_seqs rows):
     --kv-window (SnapKV/AnDPro) or, on CPU, DECODE_DEPTH (H2O's decode log)
     queries of H_q x D in the model's dtype; the decode log's visible
-    lengths (DECODE_DEPTH int64, once, not per layer)
+    lengths (DECODE_DEPTH int64, once, not per layer). With k speculative
+    drafts a step, the window keeps k spare queries (a rollback must leave
+    --kv-window accepted ones) and the decode log is at least 1 + k deep
   fixed:
     on CPU, CHUNK_TOKENS deferred prefill queries (H2O), H_q x D each
     on CPU, the offload host tier (--kv-swap-space): host memory is the
@@ -61,11 +63,12 @@ class Footprint:
 
 
 def footprint(cfg: EvictionConfig, *, num_layers: int, num_kv_heads: int, num_q_heads: int,
-              head_size: int, query_bytes: int, on_cpu: bool) -> Footprint:
+              head_size: int, query_bytes: int, on_cpu: bool, drafts: int = 0) -> Footprint:
     """What the worker holds beside its KV cache under `cfg` (the module
     docstring's table). Heads are this worker's (tensor-parallel shards);
     on_cpu: the CPU backend (H2O's queries wait in logs; host memory is the
-    cache's)."""
+    cache's); drafts: speculative decoding's tokens a step (worker.py sizes
+    the window and the decode log by them)."""
     host = cfg.swap_bytes if cfg.offload and on_cpu else 0
     if not cfg.enabled:
         return Footprint(0, 0, host)
@@ -73,9 +76,10 @@ def footprint(cfg: EvictionConfig, *, num_layers: int, num_kv_heads: int, num_q_
     per_head = 4 + (4 if records is Record.ATTENTION else 0)
     query = num_layers * num_q_heads * head_size * query_bytes
     logs = records is Record.ATTENTION and on_cpu  # the decode and chunk logs
-    depth = cfg.window if records is Record.QUERIES else DECODE_DEPTH if logs else 0
+    decode_depth = max(DECODE_DEPTH, 1 + drafts)
+    depth = cfg.window + drafts if records is Record.QUERIES else decode_depth if logs else 0
     chunk = CHUNK_TOKENS if logs else 0
-    visible = DECODE_DEPTH * 8 if logs else 0
+    visible = decode_depth * 8 if logs else 0
     return Footprint(per_slot=num_layers * num_kv_heads * per_head,
                      per_request=depth * query + visible, fixed=chunk * query + host)
 
