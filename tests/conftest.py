@@ -270,13 +270,16 @@ _GROUP_OF = {f: g for g, files in GROUPS.items() for f in files}
 # test_parallel_sampling.py: 44 s, test_lora.py 56 s, test_pooling.py 48 s and
 # test_data_parallel_serve.py 42-76 s alone (-n0) on 2 idle Zen 4 cores (2026-12-02),
 # test_sliding_window.py 164 s (2026-12-03); test_speculative_decoding.py ~270 s
-# alone (-n0) on 2 Zen 4 cores shared with another test run (2026-12-03).
+# alone (-n0) on 2 Zen 4 cores shared with another test run (2026-12-03), and its
+# prompt-module tests added 72 s (2026-12-03, forty-eighth session);
+# test_speculative_serve.py ~50 s (one server start, 200 tokens x 3).
 GROUP_SECONDS = {"tensor_parallel": 342, "h2o_server": 291, "calibrated": 140,
                  "test_pipeline_serve.py": 118, "test_examples.py": 264,
                  "test_seeded_sampling.py": 47, "test_fp8_cache.py": 95,
                  "test_worker_memory.py": 20, "test_parallel_sampling.py": 44,
                  "test_lora.py": 56, "test_pooling.py": 48, "test_data_parallel_serve.py": 60,
-                 "test_sliding_window.py": 164, "test_speculative_decoding.py": 270,
+                 "test_sliding_window.py": 164, "test_speculative_decoding.py": 340,
+                 "test_speculative_serve.py": 50,
                  "test_engine.py": 100, "test_eval_smoke.py": 56,
                  "test_window_reference.py": 51, "test_infinigen_dense.py": 36,
                  "test_h2o_reference.py": 36, "test_prompt_modules_security.py": 33,

@@ -32,23 +32,26 @@ def server(model_path):
         yield srv
 
 
-def _streamed_resident(server, prompt: str, at_event: int) -> tuple[float, float, int]:
+def _streamed_resident(server, prompt: str, at_tokens: int) -> tuple[float, float, int]:
     """Stream one completion; (logical, physical) resident tokens on /metrics
-    at its `at_event`-th event, and its completion token count."""
+    once it has `at_tokens` tokens (an event may carry several: accepted
+    drafts), and its completion token count."""
     body = {"model": server.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
             "ignore_eos": True, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     seen, tokens = None, 0
     with requests.post(server.url + "/v1/completions", json=body, stream=True,
                        timeout=300) as r:
         assert r.status_code == 200, r.text
-        for i, line in enumerate(ln for ln in r.iter_lines() if ln.startswith(b"data:")):
-            if i == at_event:
+        for line in r.iter_lines():
+            data = line.removeprefix(b"data:").strip()
+            if not data or data == b"[DONE]":
+                continue
+            tokens = (json.loads(data).get("usage") or {}).get("completion_tokens", tokens)
+            if seen is None and tokens >= at_tokens:
                 seen = (server.metric('vllm_kvevict_resident_tokens{kind="logical"}'),
                         server.metric('vllm_kvevict_resident_tokens{kind="physical"}'))
-            data = line[5:].strip()
-            if data != b"[DONE]" and json.loads(data).get("usage"):
-                tokens = json.loads(data)["usage"]["completion_tokens"]
+    assert seen is not None, tokens
     return (*seen, tokens)
 
 
@@ -59,7 +62,7 @@ def test_a_served_engine_evicts_and_speculates(server):
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         plain = [pool.submit(server.complete, p, max_tokens=MAX_TOKENS, ignore_eos=True)
                  for p in PROMPTS[1:]]
-        logical, physical, streamed = _streamed_resident(server, PROMPTS[0], at_event=100)
+        logical, physical, streamed = _streamed_resident(server, PROMPTS[0], at_tokens=150)
         answers = [f.result() for f in plain]
     assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
     assert all(r.json()["usage"]["completion_tokens"] == MAX_TOKENS for r in answers)
