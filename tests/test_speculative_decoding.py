@@ -85,12 +85,38 @@ def _drafts():
     return state.drafts_logged, state.drafts_rejected
 
 
+@pytest.fixture
+def pass_steps(monkeypatch):
+    """(drafted, the pass recorded) for each step that took the CPU pass
+    (fused_attention.plan returned a FusedStep), seen in this process."""
+    from vllm_kvevict.integration import fused_attention
+
+    seen, plan = [], fused_attention.plan
+
+    def spied(builder, state, *args):
+        step = plan(builder, state, *args)
+        if step is not None:
+            seen.append((bool(state.drafts), step.records))
+        return step
+
+    monkeypatch.setattr(fused_attention, "plan", spied)
+    return seen
+
+
 @pytest.mark.parametrize("idx", [0, 1, 2])
-def test_h2o_with_drafts_matches_dense_reference(h2o, hf, prompts, idx):
+def test_h2o_with_drafts_matches_dense_reference(h2o, hf, prompts, idx, pass_steps):
+    """Also: once a request has evicted, a step with drafts takes the CPU pass
+    for attention alone (H2O logs its queries; the pass would score every
+    draft), one without drafts takes it for attention and scores."""
+    from vllm_kvevict.integration import fused_attention
+
     model, _ = hf
     prompt = prompts[idx]
     logged0, rejected0 = _drafts()
     got_tokens, snaps, cached = _vllm_generate(h2o, prompt, MAX_TOKENS, salt=f"spec-{idx}")
+    if fused_attention.enabled():  # the compiled kernel is there
+        assert any(d and not r for d, r in pass_steps), pass_steps
+        assert not any(d and r for d, r in pass_steps), pass_steps
     logged, rejected = (a - b for a, b in zip(_drafts(), (logged0, rejected0)))
     assert cached == 0
     assert all(p.new_len == BUDGET - BLOCK for p, _ in snaps)

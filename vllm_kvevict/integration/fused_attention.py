@@ -17,7 +17,8 @@ scoring kernel does, and takes the exps for both the column sums and P V
 (prefill, two threads: 0.5x vLLM's attention plus the scoring kernel; decode
 rows, which it reads in place: 0.6-1.0x vLLM's attention alone;
 benchmarks/cpu_kernel.py). An H2O step that takes it scores every scored
-row in the pass: its layers log nothing.
+row in the pass: its layers log nothing (a step with speculative drafts
+takes the pass for attention alone, `records`).
 
 Why only steps whose every request diverges from stock anyway: the pass's
 output is as accurate as vLLM's (tests/test_fused_attention.py) but not bit
@@ -97,10 +98,6 @@ def wanted(builder, state, cm) -> bool:
     # (2-core Xeon, benchmarks/cpu_kernel.py, results/xeon/cpu_kernel_amx.md).
     if builder.isa == "amx" and not records(state):
         return False
-    # Speculative drafts: H2O logs them and scores the accepted ones next
-    # step; the pass would score every draft row now, rejected ones included.
-    if state.drafts and records(state):
-        return False
     return state.all_rows_diverge(cm.num_reqs)
 
 
@@ -110,8 +107,10 @@ def records(state) -> bool:
     (`place_queries` with no row scored), so no decode query waits in the
     decode log and no chunk in the chunk log. Otherwise the layers record as
     in any step (SnapKV/AnDPro log their queries; StreamingLLM records
-    nothing)."""
-    return state.recorder.fuses_cpu_step
+    nothing). A step with speculative drafts takes the pass for attention
+    alone: H2O logs its rows' queries and scores the accepted ones next step,
+    where the pass would score every draft now, rejected ones included."""
+    return state.recorder.fuses_cpu_step and not state.drafts
 
 
 def plan(builder, state, cm, placement, scored: torch.Tensor | None) -> FusedStep | None:
