@@ -639,10 +639,12 @@ def plot(results_c: list[dict], results_a: list[dict], path: str) -> None:
         ("constrained, lockstep", [r for r in results_c if r.get("table") == "constrained"]),
         ("constrained, steady", [r for r in results_c if r.get("table") == "steady"]),
         ("memory ample", results_a)) if rs]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    width = max(5.5, 1.0 * max(len(rs) for _, rs in panels))
+    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), 4), squeeze=False)
     for ax, (title, rs) in zip(axes[0], panels):
-        labels = [label(r) if r["policy"] == "none" else f"{r['policy']}\nbudget {r['budget']}"
-                  for r in rs]
+        labels = [label(r if r["policy"] == "none"
+                        else dict(r, policy=f"{r['policy']}\nbudget {r['budget']}"))
+                  .replace(" + ", "\n+ ") for r in rs]
         vals = [r["out_tok_s"] if r.get("ok") else 0.0 for r in rs]
         colors = ["tab:gray" if r["policy"] == "none" else
                   "tab:blue" if r["policy"] == "h2o" else "tab:orange" for r in rs]
@@ -654,6 +656,7 @@ def plot(results_c: list[dict], results_a: list[dict], path: str) -> None:
         ax.set_title(f"{title}: {r0['num_requests']} req, {r0['prompt_len']}+"
                      f"{r0['output_len']} tok, pool {r0['pool_tokens']} tok", fontsize=9)
         ax.set_ylabel("output tokens / s")
+        ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
