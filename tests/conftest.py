@@ -271,14 +271,17 @@ _GROUP_OF = {f: g for g, files in GROUPS.items() for f in files}
 # test_data_parallel_serve.py 42-76 s alone (-n0) on 2 idle Zen 4 cores (2026-12-02),
 # test_sliding_window.py 164 s (2026-12-03); test_speculative_decoding.py ~270 s
 # alone (-n0) on 2 Zen 4 cores shared with another test run (2026-12-03), and its
-# prompt-module tests added 72 s (2026-12-03, forty-eighth session);
+# prompt-module tests added 72 s (2026-12-03, forty-eighth session); in the
+# suite, on one core of two, its children take far longer: ~1,120 s in the
+# clean-clone run of c945bd4 (its top-25 durations), less three stock
+# children since (one stock run serves the four policies' identity cases);
 # test_speculative_serve.py ~50 s (one server start, 200 tokens x 3).
 GROUP_SECONDS = {"tensor_parallel": 342, "h2o_server": 291, "calibrated": 140,
                  "test_pipeline_serve.py": 118, "test_examples.py": 264,
                  "test_seeded_sampling.py": 47, "test_fp8_cache.py": 95,
                  "test_worker_memory.py": 20, "test_parallel_sampling.py": 44,
                  "test_lora.py": 56, "test_pooling.py": 48, "test_data_parallel_serve.py": 60,
-                 "test_sliding_window.py": 164, "test_speculative_decoding.py": 340,
+                 "test_sliding_window.py": 164, "test_speculative_decoding.py": 950,
                  "test_speculative_serve.py": 50,
                  "test_engine.py": 100, "test_eval_smoke.py": 56,
                  "test_window_reference.py": 51, "test_infinigen_dense.py": 36,
