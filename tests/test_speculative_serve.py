@@ -2,7 +2,7 @@
 as a user types it: a real server evicts and speculates at once.
 
 Requests over the budget, several at a time, streamed: vLLM's own counters
-say drafts were proposed and accepted, the plugin's say compactions ran, a
+say drafts were proposed and accepted, the plugin's that every request's overflow was evicted, a
 request's resident KV stays within the budget while it streams, and once the
 server is idle vLLM's `vllm:kv_cache_usage_perc` is 0 (no block leaked). The
 token-level proofs (H2O's kept sets against the dense reference, identity to
