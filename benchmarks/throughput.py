@@ -86,7 +86,9 @@ class StepRecorder(BlockProbe):
 
     def __init__(self, scheduler) -> None:
         super().__init__(scheduler)
-        self.manager = full_attention_manager(scheduler)
+        managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+        # A model windowed in every layer (--stock-windows) has one group, no full one.
+        self.manager = managers[0] if len(managers) == 1 else full_attention_manager(scheduler)
         self.reset()
 
     def reset(self) -> None:
@@ -110,7 +112,7 @@ class StepRecorder(BlockProbe):
         r2b = self.manager.req_to_blocks
         for req in self.scheduler.running:
             rid = req.request_id
-            nb = len(r2b.get(rid, ()))
+            nb = sum(not b.is_null for b in r2b.get(rid, ()))  # a window's freed ones are null
             logical = req.num_computed_tokens  # includes tokens scheduled this step
             physical = logical - evicted.get(rid, 0)
             self.last_len[rid] = (logical, physical, nb)
@@ -166,6 +168,7 @@ def run_config(cfg: dict) -> dict:
         seed=0,
         additional_config=additional,
         **({"enable_prefix_caching": False} if cfg["no_prefix_caching"] else {}),
+        **({"max_num_seqs": cfg["max_num_seqs"]} if cfg.get("max_num_seqs") else {}),
         **({"speculative_config": cfg["speculative"]} if cfg.get("speculative") else {}),
     )
     init_s = time.perf_counter() - t0
@@ -505,15 +508,16 @@ def stock_of(results: list[dict]) -> dict | None:
     """The row every speedup is against: stock vLLM on the same pool, and
     without speculative decoding where a run has both."""
     stock = [r for r in results if r["policy"] == "none" and r.get("ok")
-             and r.get("pool_multiple", 1) == 1]
+             and r.get("pool_multiple", 1) == 1 and not r.get("stock_window")]
     return min(stock, key=lambda r: bool(r.get("speculative")), default=None)
 
 
 def label(r: dict) -> str:
-    """'none', 'none, 5x pool', 'h2o' or 'h2o + ngram k=4'."""
+    """'none', 'none, 5x pool', 'none, window 128', 'h2o' or 'h2o + ngram k=4'."""
     m = r.get("pool_multiple", 1)
     spec = r.get("speculative")
-    return (r["policy"] + ("" if m == 1 else f", {m}x pool")
+    w = r.get("stock_window")
+    return (r["policy"] + ("" if m == 1 else f", {m}x pool") + (f", window {w}" if w else "")
             + (f" + {spec.get('method', 'spec')} k={spec.get('num_speculative_tokens')}"
                if spec else ""))
 
@@ -682,6 +686,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stock-pool-multiples", nargs="*", type=int, default=[5],
                    help="also run stock vLLM with the constrained pool times these "
                         "(default: 5); pass none to skip")
+    p.add_argument("--stock-windows", nargs="*", type=int, default=[], metavar="W",
+                   help="also run stock vLLM on the constrained pool with the model's every "
+                        "layer a sliding window of W tokens (the weights linked, the config "
+                        "windowed): vLLM frees the blocks behind the window itself, at no "
+                        "cost to the plugin, the ceiling of any eviction that keeps as much "
+                        "(not the model's quality: it was not trained windowed)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="vLLM's --max-num-seqs for every engine (default: vLLM's)")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=None, help="default 1024")
     p.add_argument("--dtype", default="bfloat16")
@@ -762,11 +774,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def windowed_model(model: str, window: int) -> str:
+    """`model` with every layer a sliding window of `window` tokens, beside it."""
+    from vllm_kvevict.models import hybrid_of
+
+    layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+    dest = Path(model).with_name(f"{Path(model).name}-window{window}")
+    return hybrid_of(model, dest, [True] * layers, window)
+
+
 def configs(args, model: str) -> tuple[list[dict], list[dict]]:
     common = dict(model=model, block_size=args.block_size, max_model_len=args.max_model_len,
                   dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, recent=args.recent,
                   prompt_len=args.prompt_len,
                   warmup=not args.no_warmup, no_prefix_caching=args.no_prefix_caching,
+                  max_num_seqs=args.max_num_seqs,
                   speculative=json.loads(args.speculative) if args.speculative else None)
     pol = [(p, None) for p in args.policies if p == "none"]
     pol += [(p, b) for p in args.policies if p != "none" for b in args.budgets]
@@ -779,6 +801,11 @@ def configs(args, model: str) -> tuple[list[dict], list[dict]]:
                          pool_tokens=args.pool_tokens * m, pool_multiple=m,
                          repeats=args.repeats)
                     for m in args.stock_pool_multiples if "none" in args.policies]
+    constrained += [dict(common, table="constrained", policy="none", budget=None,
+                         model=windowed_model(model, w), stock_window=w,
+                         num_requests=args.num_requests, output_len=args.output_len,
+                         pool_tokens=args.pool_tokens, repeats=args.repeats)
+                    for w in args.stock_windows]
     ample = [dict(common, table="ample", policy=p, budget=b,
                   num_requests=args.ample_requests, output_len=args.ample_output_len,
                   pool_tokens=args.ample_pool_tokens, repeats=args.ample_repeats)
@@ -830,6 +857,7 @@ def main(argv=None) -> int:
           f"model {Path(args.model).name}, {args.dtype}, KV cache {args.kv_cache_dtype}, "
           f"block {args.block_size}, "
           f"max_model_len {args.max_model_len}, enforce_eager, temperature 0, ignore_eos"
+          + (f", max_num_seqs {args.max_num_seqs}" if args.max_num_seqs else "")
           + (f", speculative {args.speculative}" if args.speculative else "") + "  ")
     if len({x for pair in shas for x in pair}) > 1:
         print("**WARNING: the plugin source changed during this run; rows were measured "

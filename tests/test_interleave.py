@@ -127,3 +127,31 @@ def test_paired_capacity_takes_the_steps_every_engine_on_the_pool_was_full():
     # the larger stock pool is not paired: its own stretch
     assert bigger["capacity_steps"] == 1 and not bigger["capacity_paired"]
     assert bigger["capacity_out_tok_s"] == pytest.approx(7 / 0.2)
+
+
+def test_windowed_stock_runs_beside_stock_but_is_never_the_baseline(tmp_path):
+    """--stock-windows: stock vLLM on the same pool with every layer windowed
+    (vLLM frees the blocks behind the window itself) is a row of its own; the
+    speedups stay against plain stock."""
+    import throughput
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 3}))
+    (model / "model.safetensors").write_bytes(b"weights")
+    args = throughput.parse_args(["--model", str(model), "--policies", "none", "h2o",
+                                  "--stock-windows", "128", "--stock-pool-multiples",
+                                  "--skip-ample", "--max-num-seqs", "50"])
+    constrained, _ = throughput.configs(args, str(model))
+    windowed = [c for c in constrained if c.get("stock_window")]
+    assert [c["workload"] if "workload" in c else "lockstep" for c in windowed] == \
+        ["lockstep", "steady"]
+    path = Path(windowed[0]["model"])
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["layer_types"] == ["sliding_attention"] * 3 and cfg["sliding_window"] == 128
+    assert (path / "model.safetensors").resolve() == (model / "model.safetensors").resolve()
+    assert windowed[0]["pool_tokens"] == args.pool_tokens
+    assert {c["max_num_seqs"] for c in constrained} == {50}  # every engine, stock included
+    rows = [dict(c, ok=True) for c in constrained if c.get("workload") == "steady"]
+    stock = throughput.stock_of(rows)
+    assert stock["policy"] == "none" and not stock.get("stock_window")
+    assert [throughput.label(r) for r in rows] == ["none", "h2o", "none, window 128"]
