@@ -24,6 +24,12 @@ Three tables, every configuration in one run:
    differs from stock is the per-step cost of scoring + compaction (and the
    cheaper attention over fewer resident tokens).
 
+--stock-windows W adds stock vLLM on the constrained pool with the model's
+every layer a sliding window of W tokens: vLLM frees the blocks behind the
+window itself and none of the plugin runs, so it is what eviction keeping W
+tokens would give at no cost (with --max-num-seqs at the policies' running
+count, it runs their schedule). Its tokens are not the model's quality.
+
 Every number about blocks, running requests and preemptions is read from
 vLLM's own scheduler objects (BlockPool, Scheduler.running, KV manager
 req_to_blocks, Scheduler._preempt_request calls) after every engine step, by
