@@ -201,21 +201,17 @@ def test_prompt_modules_with_drafts_match_dense_reference(model_path, hf):
     drafts can reach (scored every step, nothing evicted): the tokens are the
     dense Prompt Cache computation's (tests/test_prompt_modules.py), the module
     tokens come from the pinned blocks, and drafts were accepted and rejected
-    (a child: tests/plugin_speculative.py)."""
-    from test_prompt_modules import PROMPT, SCHEMA, dense_reference, expected_layout
+    (in the module's child: `_plugin_runs`)."""
+    from test_prompt_modules import dense_reference, expected_layout
 
     model, tok = hf
     _, ids, positions, segment = expected_layout(tok)
-    n = 48
-    payload = {"prompts": [PROMPT], "budgets": [len(ids) + n + DRAFTS - 1],
-               "speculative_config": SPEC, "schema": SCHEMA}
-    said = _child("plugin_speculative.py", [model_path, n, "h2o", kv_bytes("float32")], payload)
-    [got], stats = said["IDS="], said["STATS="]
+    [got], stats = _plugin_runs(model_path, tok)["modules", "h2o"]
     assert stats["num_cached"] == [sum(i >= 0 for i in segment)], stats
     assert stats["evicted"] == 0 and stats["used_after"] == 0, stats
     assert 0 < stats["drafts_rejected"] < stats["drafts_logged"], stats
     assert stats["score_sum"] > 0, stats
-    assert got == dense_reference(model, ids, positions, segment, n)
+    assert got == dense_reference(model, ids, positions, segment, MODULE_TOKENS)
 
 
 def test_an_engine_starts_after_an_ngram_engine_in_the_same_process(h2o, model_path):
@@ -247,16 +243,9 @@ def test_scored_within_budget_with_drafts_is_token_identical_to_stock(model_path
     (prompt + max_tokens + k - 1 tokens): it may compact, so every step is
     scored (H2O's decode log, the window's ring), drafts rolled back, but no
     step takes it past its blocks and nothing is evicted. The tokens must be
-    stock vLLM's with the same n-gram drafts. Both engines run in children
-    (tests/plugin_speculative.py says why)."""
-    texts = ["Repeat this list twice: apple, banana, cherry, date, elderberry, fig, grape.",
-             "Write a Python function that sorts a list with merge sort, then test it."]
-    n = 80
-    tok = hf[1]
-    budgets = [len(tok(t)["input_ids"]) + n + DRAFTS - 1 for t in texts]
-    payload = {"prompts": texts, "budgets": budgets, "speculative_config": SPEC}
-    said = _child("plugin_speculative.py", [model_path, n, policy, kv_bytes("float32")], payload)
-    ours, stats = said["IDS="], said["STATS="]
+    stock vLLM's with the same n-gram drafts (both from children:
+    `_plugin_runs`, `_stock_with_drafts`)."""
+    ours, stats = _plugin_runs(model_path, hf[1])["within", policy]
     assert stats["evicted"] == 0, stats
     if policy != "streaming":  # (which records nothing, so logs no draft)
         assert 0 < stats["drafts_rejected"] < stats["drafts_logged"], stats
@@ -264,10 +253,67 @@ def test_scored_within_budget_with_drafts_is_token_identical_to_stock(model_path
         assert stats["score_sum"] > 0, stats
     if policy in ("snapkv", "andpro"):
         assert stats["window_rows"] > 0, stats
-    assert ours == _stock_with_drafts(model_path, n, payload)
+    assert ours == _stock_with_drafts(model_path, WITHIN_TOKENS,
+                                      {"prompts": WITHIN_TEXTS, "speculative_config": SPEC})
 
 
+@pytest.mark.parametrize("policy", ["snapkv", "andpro", "streaming"])
+def test_window_policies_with_drafts_over_the_budget_free_their_blocks(model_path, hf, policy):
+    """The other policies over a budget of 64 (two blocks) with drafts: every
+    request compacts, none holds more than the budget's blocks in a decode
+    step (vLLM's req_to_blocks), the rejected drafts leave the window, and
+    the pool is whole after (in the module's child: `_plugin_runs`)."""
+    from vllm_kvevict.core.eviction.planner import max_blocks_per_request
+
+    ids, stats = _plugin_runs(model_path, hf[1])["over", policy]
+    assert [len(x) for x in ids] == [OVER_TOKENS] * len(OVER_TEXTS)
+    assert stats["evicted"] >= len(OVER_TEXTS) * (OVER_TOKENS - BUDGET), stats
+    assert 0 < stats["max_decode_blocks"] <= max_blocks_per_request(BUDGET, BLOCK), stats
+    assert stats["used_after"] == 0, stats
+    if policy != "streaming":  # (which records nothing, so logs no draft)
+        assert 0 < stats["drafts_rejected"] < stats["drafts_logged"], stats
+
+
+# The children's cases: within the budget (every policy, token identity with
+# stock), over it (the window policies, blocks), and a module prompt (H2O).
+WITHIN_TEXTS = ["Repeat this list twice: apple, banana, cherry, date, elderberry, fig, grape.",
+                "Write a Python function that sorts a list with merge sort, then test it."]
+WITHIN_TOKENS = 80
+OVER_TEXTS = ["Repeat this list three times: apple, banana, cherry, date, elderberry, fig.",
+              "Write a Python function that sorts a list with merge sort, then test it.",
+              "Count from one to fifty in words, separated by commas."]
+OVER_TOKENS = 160
+MODULE_TOKENS = 48
+
+_PLUGIN: dict = {}
 _STOCK: dict = {}
+
+
+def _plugin_runs(model_path: str, tok) -> dict:
+    """{(case, policy): (token ids, stats)} of every plugin case, from one
+    child (tests/plugin_speculative.py) that builds their engines one after
+    another; run once, by the first test that asks."""
+    if not _PLUGIN:
+        from test_prompt_modules import PROMPT, SCHEMA, expected_layout
+
+        def case(policy, prompts, budgets, n, **extra):
+            return dict(policy=policy, prompts=prompts, budgets=budgets, max_tokens=n,
+                        speculative_config=SPEC, **extra)
+
+        within = [len(tok(t)["input_ids"]) + WITHIN_TOKENS + DRAFTS - 1 for t in WITHIN_TEXTS]
+        module_ids = expected_layout(tok)[1]
+        keys = [("within", p) for p in ("h2o", "snapkv", "andpro", "streaming")]
+        keys += [("over", p) for p in ("snapkv", "andpro", "streaming")]
+        cases = [case(p, WITHIN_TEXTS, within, WITHIN_TOKENS) if k == "within"
+                 else case(p, OVER_TEXTS, [BUDGET] * len(OVER_TEXTS), OVER_TOKENS)
+                 for k, p in keys]
+        # Last: its schema stays registered in the child's frontend.
+        keys.append(("modules", "h2o"))
+        cases.append(case("h2o", [PROMPT], [len(module_ids) + MODULE_TOKENS + DRAFTS - 1],
+                          MODULE_TOKENS, schema=SCHEMA))
+        runs = _child("plugin_speculative.py", [model_path, kv_bytes("float32")], cases)["RUNS="]
+        _PLUGIN.update({k: (r["ids"], r["stats"]) for k, r in zip(keys, runs)})
+    return _PLUGIN
 
 
 def _stock_with_drafts(model_path: str, n: int, payload: dict) -> list:
@@ -284,37 +330,14 @@ def _stock_with_drafts(model_path: str, n: int, payload: dict) -> list:
 
 def _child(script: str, args: list, payload) -> dict:
     """Run tests/`script` with `payload` on its stdin; {marker: JSON} of the
-    lines it printed starting with a marker (IDS=, STATS=)."""
+    lines it printed starting with a marker (RUNS=)."""
     import json
     import subprocess
     import sys
 
     proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), script),
                            *map(str, args)], input=json.dumps(payload), capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {line[:line.index("=") + 1]: json.loads(line[line.index("=") + 1:])
-            for line in proc.stdout.splitlines() if line.startswith(("IDS=", "STATS="))}
-
-
-@pytest.mark.parametrize("policy", ["snapkv", "andpro", "streaming"])
-def test_window_policies_with_drafts_over_the_budget_free_their_blocks(model_path, hf, policy):
-    """The other policies over a budget of 64 (two blocks) with drafts: every
-    request compacts, none holds more than the budget's blocks in a decode
-    step (vLLM's req_to_blocks), the rejected drafts leave the window, and
-    the pool is whole after (a child: tests/plugin_speculative.py)."""
-    from vllm_kvevict.core.eviction.planner import max_blocks_per_request
-
-    texts = ["Repeat this list three times: apple, banana, cherry, date, elderberry, fig.",
-             "Write a Python function that sorts a list with merge sort, then test it.",
-             "Count from one to fifty in words, separated by commas."]
-    n = 160
-    payload = {"prompts": texts, "budgets": [BUDGET] * len(texts), "speculative_config": SPEC}
-    said = _child("plugin_speculative.py", [model_path, n, policy, kv_bytes("float32")], payload)
-    ids, stats = said["IDS="], said["STATS="]
-    assert [len(x) for x in ids] == [n] * len(texts)
-    assert stats["evicted"] >= len(texts) * (n - BUDGET), stats
-    assert 0 < stats["max_decode_blocks"] <= max_blocks_per_request(BUDGET, BLOCK), stats
-    assert stats["used_after"] == 0, stats
-    if policy != "streaming":  # (which records nothing, so logs no draft)
-        assert 0 < stats["drafts_rejected"] < stats["drafts_logged"], stats
+            for line in proc.stdout.splitlines() if line.startswith("RUNS=")}
