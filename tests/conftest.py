@@ -206,14 +206,15 @@ def close_once(engine) -> None:
         close(engine)
 
 
-def run_stock(script: str, args: list, payload, marker: str):
-    """Run tests/`script` (a stock-vLLM child, tests/stock_engine.py) with
-    `args`, `payload` as JSON on its stdin; return the JSON it printed after
-    `marker`."""
+def run_child(script: str, args: list, payload, marker: str, timeout: int = 600):
+    """Run tests/`script` (a stock-vLLM child, tests/stock_engine.py, or a
+    plugin one) with `args`, `payload` as JSON on its stdin; return the JSON
+    it printed on one line after `marker`."""
     proc = subprocess.run([sys.executable, os.path.join(HERE, script), *map(str, args)],
-                          input=json.dumps(payload), capture_output=True, text=True, timeout=600)
+                          input=json.dumps(payload), capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.split(marker)[-1])
+    return json.loads(proc.stdout.split(marker)[-1].splitlines()[0])
 
 
 _STOCK: dict = {}
@@ -225,7 +226,7 @@ def stock_ids(model_path: str, dtype: str, kv_cache_dtype: str = "auto") -> list
     (dtype, kv_cache_dtype) per session."""
     key = (dtype, kv_cache_dtype)
     if key not in _STOCK:
-        ids = run_stock("stock_generate.py", [model_path, STOCK_TOKENS, 32, dtype,
+        ids = run_child("stock_generate.py", [model_path, STOCK_TOKENS, 32, dtype,
                                               kv_bytes(dtype), kv_cache_dtype], PROMPTS, "IDS=")
         assert [len(x) for x in ids] == [STOCK_TOKENS] * len(PROMPTS)
         _STOCK[key] = ids

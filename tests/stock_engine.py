@@ -1,5 +1,5 @@
 """The child side of the suite's stock-vLLM references (tests/stock_*.py, run
-by conftest.run_stock): an engine with our plugin not loaded at all, in the
+by conftest.run_child): an engine with our plugin not loaded at all, in the
 suite's settings, and the line that hands the result back.
 
 Import it only in those child processes: `stock_llm` sets VLLM_PLUGINS="" for
@@ -28,7 +28,7 @@ def stock_llm(model: str, dtype: str, kv_bytes: int, block_size: int = 32, **kwa
 
 
 def report(marker: str, result) -> None:
-    """Print `result` as JSON after `marker` (conftest.run_stock reads it back),
+    """Print `result` as JSON after `marker` (conftest.run_child reads it back),
     once the plugin is known to have stayed out."""
     assert "vllm_kvevict" not in sys.modules, "plugin loaded despite VLLM_PLUGINS=''"
     print(marker + json.dumps(result))

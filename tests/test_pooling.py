@@ -9,7 +9,7 @@ the budget, the requests the plugin would otherwise compact.
 """
 
 import pytest
-from conftest import DTYPE, PROMPTS, kv_bytes, make_llm, run_stock
+from conftest import DTYPE, PROMPTS, kv_bytes, make_llm, run_child
 
 from vllm_kvevict.probe import attach
 
@@ -21,7 +21,7 @@ BATCH = LONG + PROMPTS[:2]
 
 @pytest.fixture(scope="module")
 def stock(model_path):
-    return run_stock("stock_pooling.py", [model_path, DTYPE, kv_bytes(DTYPE)], BATCH, "EMB=")
+    return run_child("stock_pooling.py", [model_path, DTYPE, kv_bytes(DTYPE)], BATCH, "EMB=")
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # worker in this p
 
 import pytest
 import torch
-from conftest import close, close_once, kv_bytes, run_stock
+from conftest import close, close_once, kv_bytes, run_child
 from test_h2o_reference import (  # noqa: F401  (fixture one_thread)
     BLOCK, BUDGET, CHUNK, MAX_TOKENS, PREFILL, RECENT, DenseH2O, KeptSetChecker, _prompts,
     _vllm_generate, h2o_generate, one_thread)
@@ -249,7 +249,7 @@ def test_scored_within_budget_is_token_identical_to_stock(llm, hybrid_path):
         assert len(layers) == 15 and all(float(lc.scores.abs().sum()) > 0 for lc in layers)
     finally:
         close(engine)
-    stock = run_stock("stock_generate.py", [hybrid_path, n, BLOCK, "float32",
+    stock = run_child("stock_generate.py", [hybrid_path, n, BLOCK, "float32",
                                             kv_bytes("float32")], prompts, "IDS=")
     assert ours == stock
 

@@ -30,7 +30,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # worker in this p
 
 import pytest
 import torch
-from conftest import close, close_once, kv_bytes, run_stock
+from conftest import close, close_once, kv_bytes, run_child
 from test_h2o_reference import (BLOCK, BUDGET, CHUNK, RECENT, KeptSetChecker, _prompts,
                                 _vllm_generate, h2o_generate)
 
@@ -311,7 +311,8 @@ def _plugin_runs(model_path: str, tok) -> dict:
         keys.append(("modules", "h2o"))
         cases.append(case("h2o", [PROMPT], [len(module_ids) + MODULE_TOKENS + DRAFTS - 1],
                           MODULE_TOKENS, schema=SCHEMA))
-        runs = _child("plugin_speculative.py", [model_path, kv_bytes("float32")], cases)["RUNS="]
+        runs = run_child("plugin_speculative.py", [model_path, kv_bytes("float32")], cases,
+                         "RUNS=", timeout=1800)
         _PLUGIN.update({k: (r["ids"], r["stats"]) for k, r in zip(keys, runs)})
     return _PLUGIN
 
@@ -323,21 +324,6 @@ def _stock_with_drafts(model_path: str, n: int, payload: dict) -> list:
 
     key = json.dumps([model_path, n, payload], sort_keys=True)
     if key not in _STOCK:
-        _STOCK[key] = run_stock("stock_speculative.py",
+        _STOCK[key] = run_child("stock_speculative.py",
                                 [model_path, n, "float32", kv_bytes("float32")], payload, "IDS=")
     return _STOCK[key]
-
-
-def _child(script: str, args: list, payload) -> dict:
-    """Run tests/`script` with `payload` on its stdin; {marker: JSON} of the
-    lines it printed starting with a marker (RUNS=)."""
-    import json
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), script),
-                           *map(str, args)], input=json.dumps(payload), capture_output=True,
-                          text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {line[:line.index("=") + 1]: json.loads(line[line.index("=") + 1:])
-            for line in proc.stdout.splitlines() if line.startswith("RUNS=")}
