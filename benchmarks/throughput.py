@@ -92,8 +92,8 @@ class StepRecorder(BlockProbe):
 
     def __init__(self, scheduler) -> None:
         super().__init__(scheduler)
-        managers = scheduler.kv_cache_manager.coordinator.single_type_managers
         # A model windowed in every layer (--stock-windows) has one group, no full one.
+        managers = self.managers()
         self.manager = managers[0] if len(managers) == 1 else full_attention_manager(scheduler)
         self.reset()
 

@@ -301,19 +301,18 @@ def _plugin_runs(model_path: str, tok) -> dict:
                         speculative_config=SPEC, **extra)
 
         within = [len(tok(t)["input_ids"]) + WITHIN_TOKENS + DRAFTS - 1 for t in WITHIN_TEXTS]
-        module_ids = expected_layout(tok)[1]
-        keys = [("within", p) for p in ("h2o", "snapkv", "andpro", "streaming")]
-        keys += [("over", p) for p in ("snapkv", "andpro", "streaming")]
-        cases = [case(p, WITHIN_TEXTS, within, WITHIN_TOKENS) if k == "within"
-                 else case(p, OVER_TEXTS, [BUDGET] * len(OVER_TEXTS), OVER_TOKENS)
-                 for k, p in keys]
+        cases = {("within", p): case(p, WITHIN_TEXTS, within, WITHIN_TOKENS)
+                 for p in ("h2o", "snapkv", "andpro", "streaming")}
+        cases.update({("over", p): case(p, OVER_TEXTS, [BUDGET] * len(OVER_TEXTS), OVER_TOKENS)
+                      for p in ("snapkv", "andpro", "streaming")})
         # Last: its schema stays registered in the child's frontend.
-        keys.append(("modules", "h2o"))
-        cases.append(case("h2o", [PROMPT], [len(module_ids) + MODULE_TOKENS + DRAFTS - 1],
-                          MODULE_TOKENS, schema=SCHEMA))
-        runs = run_child("plugin_speculative.py", [model_path, kv_bytes("float32")], cases,
-                         "RUNS=", timeout=1800)
-        _PLUGIN.update({k: (r["ids"], r["stats"]) for k, r in zip(keys, runs)})
+        module_ids = expected_layout(tok)[1]
+        cases["modules", "h2o"] = case("h2o", [PROMPT],
+                                       [len(module_ids) + MODULE_TOKENS + DRAFTS - 1],
+                                       MODULE_TOKENS, schema=SCHEMA)
+        runs = run_child("plugin_speculative.py", [model_path, kv_bytes("float32")],
+                         list(cases.values()), "RUNS=", timeout=1800)
+        _PLUGIN.update({k: (r["ids"], r["stats"]) for k, r in zip(cases, runs)})
     return _PLUGIN
 
 
