@@ -1,7 +1,7 @@
 """The CPU scoring kernel of earlier commits against this checkout's, in one
 process, the builds taking turns in every repetition and in reversed order
 every other one (this VM's speed changes within seconds, so builds timed one
-after another in fresh processes do not compare), one thread:
+after another in fresh processes do not compare), one thread (or --threads N):
 
     taskset -c 0 .venv/bin/python scripts/measure/kernel_ab.py REV [REV ...] [--isa avx2]
 
@@ -17,7 +17,8 @@ the last column. The cases, each through the public entry points:
   3 KV heads, GQA 3, D 64, w 32, bf16 (benchmarks/window_scores_cpu.py's shape);
 - with --fused, the fused attention + H2O pass (`attend_add_column_sums`), one
   layer, on vLLM's vec cache in float32 and bf16: a 2,048-token causal chunk
-  and a decode step of 16 rows at 2,000 keys (benchmarks/cpu_kernel.py's shapes).
+  and a decode step of 16 rows at 2,000 keys (benchmarks/cpu_kernel.py's shapes),
+  and of 50 rows at 160 keys (the steady state's step at capacity, bf16).
 
 Prints a markdown table of median ms, and whether every build's output equals
 the first's bit for bit (or its largest relative difference).
@@ -87,7 +88,9 @@ def fused_case(dtype: torch.dtype, r: int, nq: int, n: int):
     layout = KVLayout.discover(ops.cpu_attn_reshape_and_cache, "vec", dtype, bs, d, h)
     gen = torch.Generator().manual_seed(n)
     kc, vc = layout.split(torch.randn(nb, h, bs, 2 * d, generator=gen).to(dtype))
-    rows = torch.stack([torch.randperm(nb, generator=gen)[:-(-n // bs)] for _ in range(r)])
+    # rows hold disjoint blocks, as requests do in the engine (the pass adds
+    # each row's sums into its own slots; shared blocks would race)
+    rows = torch.randperm(nb, generator=gen)[: r * -(-n // bs)].view(r, -1)
     q = torch.randn(r * nq, h * g, d, generator=gen).to(dtype)
     starts, seq, scored = torch.arange(0, (r + 1) * nq, nq), torch.full((r,), n), torch.ones(r, dtype=torch.bool)
 
@@ -106,8 +109,9 @@ def main() -> None:
     p.add_argument("--n", type=int, nargs="*", default=[272, 1040])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--fused", action="store_true", help="also time the fused attention + H2O pass")
+    p.add_argument("--threads", type=int, default=1, help="torch's intra-op threads (the kernel's)")
     args = p.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     isa = args.isa or cpu_kernel.isa()
     builds = [build_rev(r) for r in args.revs]
     builds.append(("checkout", cpu_kernel.build()))
@@ -119,8 +123,9 @@ def main() -> None:
         for dtype, tag in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
             cases += [(f"fused 1 x 2048 causal {tag}", fused_case(dtype, 1, 2048, 2048), max(2, args.reps // 4)),
                       (f"fused decode 16 x 2000 {tag}", fused_case(dtype, 16, 1, 2000), args.reps)]
+        cases.append(("fused decode 50 x 160 bf16", fused_case(torch.bfloat16, 50, 1, 160), 4 * args.reps))
 
-    print(f"isa {isa}; median ms of each build, the builds taking turns; one thread\n")
+    print(f"isa {isa}; median ms of each build, the builds taking turns; {args.threads} thread(s)\n")
     print("| case | " + " | ".join(label for label, _ in builds) + " | outputs |")
     print("|---|" + "---:|" * len(builds) + "---|")
     for name, fn, reps in cases:
@@ -140,7 +145,8 @@ def main() -> None:
         same = all(torch.equal(outs[0], o) for o in outs[1:])
         diff = "equal bit for bit" if same else "max rel. diff %.1e" % max(
             float(((o - outs[0]).abs() / outs[0].abs().clamp(min=1e-6)).max()) for o in outs[1:])
-        print(f"| {name} | " + " | ".join(f"{statistics.median(t):.1f}" for t in times) + f" | {diff} |")
+        cells = (f"{m:.1f}" if m >= 1 else f"{m:.3f}" for m in map(statistics.median, times))
+        print(f"| {name} | " + " | ".join(cells) + f" | {diff} |")
 
 
 if __name__ == "__main__":
