@@ -215,7 +215,9 @@ def decode_table(args, ops, cpu_kernel, layout, layout_isa, kc, vc, nb, gen, pat
     lines = ["", "| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
     for name, r, n in DECODE_SHAPES:
         nblk = -(-n // BS)
-        rows = torch.stack([torch.randperm(nb, generator=gen)[:nblk] for _ in range(r)])
+        # disjoint blocks, as requests hold in the engine: the scored pass adds
+        # each row's sums into its own slots (shared blocks would race)
+        rows = torch.randperm(nb, generator=gen)[: r * nblk].view(r, nblk)
         q = torch.randn(r, 1, H * G, D, generator=gen).to(args.torch_dtype)
         qf = torch.randn(r, FLUSH, H * G, D, generator=gen).to(args.torch_dtype)
         vis = torch.full((r, FLUSH), n)
