@@ -23,7 +23,8 @@ from vllm_kvevict.core.config.settings import EvictionConfig, EvictionConfigErro
 from vllm_kvevict.core.layouts.nhd_layout import NHDLayout
 from vllm_kvevict.core.policies import POLICIES
 from vllm_kvevict.integration import worker
-from vllm_kvevict.integration.attention_common import physical_view
+from vllm_kvevict.integration.attention_common import (_physical_slots, _physical_slots_host,
+                                                       physical_view)
 from vllm_kvevict.integration.backend_select import (
     CUDA_BACKEND,
     register_cuda_backend,
@@ -171,6 +172,33 @@ def test_physical_view_by_hand():
     assert torch.equal(pv.block_table_tensor, BLOCKS)
     assert torch.equal(pv.query_start_loc, cm.query_start_loc)
     assert cm.seq_lens.tolist() == [40, 21, 70] and cm.slot_mapping.tolist()[:7] == LOGICAL_SLOTS
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_physical_slots_host_path_matches_the_device_formula(seed):
+    """The CPU backend's numpy path (`_physical_slots_host`) and the torch
+    formula CUDA runs (`_physical_slots`, here on host tensors) give the same
+    lengths and slots on mixed batches: prompt chunks, decode rows, rows with
+    nothing evicted."""
+    g = torch.Generator().manual_seed(seed)
+    num_reqs, bs, nblk = 9, 16, 12
+    q_lens = torch.randint(1, 6, (num_reqs,), generator=g)
+    q_lens[torch.randint(0, num_reqs, (4,), generator=g)] = 1  # decode rows
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).to(torch.int32)])
+    seq = (q_lens + torch.randint(0, 100, (num_reqs,), generator=g)).to(torch.int32)
+    evicted = (torch.rand(num_reqs, generator=g) * (seq - q_lens)).to(torch.int32)
+    evicted[0] = 0
+    n = int(qsl[-1])
+    cm = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq, num_reqs=num_reqs,
+        num_actual_tokens=n, max_query_len=int(q_lens.max()), max_seq_len=int(seq.max()),
+        block_table_tensor=torch.randperm(num_reqs * nblk, generator=g).view(num_reqs, nblk)
+        .to(torch.int32), slot_mapping=torch.full((n,), -1, dtype=torch.int64))
+    seq_host, slots_host = _physical_slots_host(cm, evicted, bs)
+    seq_ref, slots_ref = _physical_slots(cm, evicted, bs)
+    assert seq_host.tolist() == seq_ref.tolist() == (seq - evicted).tolist()
+    assert slots_host.tolist() == slots_ref.tolist()
+    assert len(set(slots_host.tolist())) == n and min(slots_host.tolist()) >= 0
 
 
 @pytest.fixture

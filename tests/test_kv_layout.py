@@ -11,7 +11,7 @@ import torch
 import vllm._custom_ops as ops  # noqa: E402  (a missing vLLM fails, never skips)
 from conftest import cpu_has_amx, needs_stock_writer
 
-from vllm_kvevict.core.layouts.cpu_layout import split_kv_cache
+from vllm_kvevict.core.layouts.cpu_layout import split_kv_cache, token_slots
 from vllm_kvevict.integration.cpu_backend import discover_layout
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -96,6 +96,15 @@ def _layout(isa, dtype, bs, d, h, path):
 
 
 PATHS = pytest.mark.parametrize("path", ["strided", "fallback"])
+
+
+def test_token_slots_are_each_tokens_block_and_offset():
+    blocks = torch.tensor([[[7, 2, 9]], [[0, 5, 1]]], dtype=torch.int32)  # (2, 1, 3)
+    slots = token_slots(blocks, 10, 4)
+    want = [[[b[j // 4] * 4 + j % 4 for j in range(10)]] for b in blocks[:, 0].tolist()]
+    assert slots.dtype == torch.int64 and slots.tolist() == want
+    with pytest.raises(IndexError, match="do not fit"):
+        token_slots(blocks, 13, 4)
 
 
 def test_discovered_layouts_match_known_formulas():

@@ -52,9 +52,13 @@ def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def token_slots(blocks: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
     """Slot ids (block * BS + offset) of the first ``n`` tokens of block rows:
-    ``blocks: [..., nblk]`` -> ``[..., n]`` int64."""
-    j = torch.arange(n, device=blocks.device)
-    return blocks[..., j // block_size].long() * block_size + j % block_size
+    ``blocks: [..., nblk]`` -> ``[..., n]`` int64, n <= nblk * BS."""
+    if n > blocks.shape[-1] * block_size:
+        raise IndexError(f"{n} tokens do not fit {blocks.shape[-1]} blocks of {block_size}")
+    # Every block's slots, then the first n: three small ops (an index by
+    # j // BS took five, and grew with the rows).
+    offsets = torch.arange(block_size, device=blocks.device)
+    return (blocks.long().unsqueeze(-1) * block_size + offsets).flatten(-2)[..., :n]
 
 
 def _stock_map(write: StockWriter, isa: str, dtype: torch.dtype, bs: int, d: int, h: int

@@ -140,7 +140,9 @@ def _lowest(s: torch.Tensor, count: int, oldest_first: bool) -> torch.Tensor:
     marked = torch.zeros_like(s, dtype=torch.bool)
     if count == 0:
         return marked
-    cut = torch.topk(s, count, dim=1, largest=False).values[:, -1:]  # the same on any device
+    # The count-th lowest value: the same on any device. kthvalue, not topk's
+    # last value: 5x faster on CPU at a compaction's (L * H, 96) scores.
+    cut = s.kthvalue(count, dim=1, keepdim=True).values
     below = s < cut
     tied = s == cut
     rank = tied.cumsum(1) if oldest_first else tied.flip(1).cumsum(1).flip(1)
