@@ -3,10 +3,12 @@ the oracle the reference tests compare with a dense run.
 
 Recorded from outside the worker, on one `WorkerEviction` instance: its
 `_compact` and its policy's `select` are wrapped (instance attributes, the
-class is untouched). `_compact` runs a batch of plans and calls `select` once
-per layer stack, in the order of `_stacks()`, with that stack's (plans * layers
-* KV heads, tokens) scores in age order (oldest first), and keeps the returned
-indices; a compaction's kept
+class is untouched), and so is the worker module's `select_and_fill_holes`
+(the compiled kernel's selection, which the worker takes instead of `select`
+where it can). `_compact` runs a batch of plans and selects once per layer
+stack, by either, in the order of `_stacks()`, with that stack's (plans *
+layers * KV heads, tokens) scores in age order (oldest first), and keeps the
+returned indices; a compaction's kept
 positions are the positions before it, gathered at those indices. The first
 compaction of a request starts from 0 .. old_len - 1; tokens added since the
 last one follow it (logical_len then grows by one per token).
@@ -15,6 +17,7 @@ last one follow it (logical_len then grows by one per token).
     ... generate ...
     rec.kept[req_id].positions         # (layers, KV heads, kept) int64, last compaction
     rec.compactions                    # [(plan, positions)], every compaction in order
+    rec.selected_by                    # {"kernel": n, "select": n}: which path selected
     rec.remove()                       # back to the class's methods
 
 A recorder installed again on the same state replaces the previous one.
@@ -25,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from vllm_kvevict.integration import worker as worker_module
 
 
 @dataclass
@@ -44,10 +49,13 @@ class KeptRecorder:
         self.kept: dict[str, KeptRecord] = {}
         self.compactions: list[tuple[object, torch.Tensor]] = []
         self._keeps: list[torch.Tensor] | None = None
+        self.selected_by = {"kernel": 0, "select": 0}
         self._compact = state._compact  # bound: the class's method, or a test's spy
         self._select = state.policy.select
+        self._fused = worker_module.select_and_fill_holes
         state._compact = self._recording_compact
         state.policy.select = self._recording_select
+        worker_module.select_and_fill_holes = self._recording_fused
         state._kept_recorder = self
 
     def remove(self) -> None:
@@ -59,11 +67,21 @@ class KeptRecorder:
             del state._compact
         if vars(state.policy).get("select") == self._recording_select:
             del state.policy.select
+        if worker_module.select_and_fill_holes == self._recording_fused:
+            worker_module.select_and_fill_holes = self._fused
 
     def _recording_select(self, scores, keep, recent):
         out = self._select(scores, keep, recent)
         if self._keeps is not None:
             self._keeps.append(out)
+            self.selected_by["select"] += 1
+        return out
+
+    def _recording_fused(self, *args, **kwargs):
+        out = self._fused(*args, **kwargs)  # (kept, slots after) or None
+        if out is not None and self._keeps is not None:
+            self._keeps.append(out[0])
+            self.selected_by["kernel"] += 1
         return out
 
     def _recording_compact(self, plans) -> None:
@@ -75,7 +93,7 @@ class KeptRecorder:
             self._keeps = None
         stacks = self.state._stacks()
         assert len(keeps) == len(stacks), (
-            f"{len(keeps)} policy.select calls for {len(stacks)} layer stacks: "
+            f"{len(keeps)} selections for {len(stacks)} layer stacks: "
             "WorkerEviction._compact no longer selects once per stack")
         # Each select covers the batch's rows, request-major: (P * L * H, new_len).
         per_stack = [k.view(len(plans), st.num_layers, st.layout.num_kv_heads, -1).cpu()

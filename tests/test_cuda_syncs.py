@@ -178,7 +178,8 @@ def where(place: str) -> str:
 
 # Per (policy, step, kernels): the syncs and the asynchronous uploads of one step
 # (builder + 2 layers). Before issue 20 #10 the same steps had, on the Triton path:
-#   h2o decode  3 = physical_view: evicted.to(dev) (blocking upload),
+#   h2o decode  3 = physical_view: evicted.to(dev) (blocking upload; now in
+#                   _physical_slots, asynchronous),
 #                   repeat_interleave without output_size, int(seq.max())
 #   h2o mixed  23 = those 3 + per layer 10 (accumulate_scores: query_start_loc.cpu(),
 #                   seq_lens.cpu(), 3 blocking uploads; score_queries for the chunk:
@@ -192,18 +193,18 @@ def where(place: str) -> str:
 SCORES = "vllm_kvevict/core/scoring/scores.py"
 COMMON = "vllm_kvevict/integration/attention_common.py"
 PINNED = {
-    ("h2o", "decode", "triton"): (0, [f"{COMMON}:physical_view"]),  # the evicted offsets
-    ("h2o", "mixed", "triton"): (0, [f"{COMMON}:physical_view"] + 2 * (
+    ("h2o", "decode", "triton"): (0, [f"{COMMON}:_physical_slots"]),  # the evicted offsets
+    ("h2o", "mixed", "triton"): (0, [f"{COMMON}:_physical_slots"] + 2 * (
         # decode rows for the score kernel: their query indices, rows, lengths
         3 * [f"{SCORES}:accumulate_scores"]
         # the chunk, torch scorer: per-query horizons (per tile), reached (row, key) pairs
         + [f"{SCORES}:_column_sums"] + 2 * [f"{SCORES}:score_queries"])),
-    ("snapkv", "decode", "triton"): (0, [f"{COMMON}:physical_view"]
+    ("snapkv", "decode", "triton"): (0, [f"{COMMON}:_physical_slots"]
                                      # the ring placement, once for both layers
                                      + 2 * ["vllm_kvevict/integration/cuda_backend.py:build"]),
     # The torch path (VLLM_KVEVICT_KERNELS=torch on CUDA): decode rows through
     # score_queries (query indices and rows; horizons, reached pairs).
-    ("h2o", "decode", "torch"): (0, [f"{COMMON}:physical_view"] + 2 * (
+    ("h2o", "decode", "torch"): (0, [f"{COMMON}:_physical_slots"] + 2 * (
         2 * [f"{SCORES}:accumulate_scores"] + [f"{SCORES}:_column_sums"]
         + 2 * [f"{SCORES}:score_queries"])),
 }

@@ -15,9 +15,11 @@ import torch
 from conftest import needs_stock_writer
 
 from vllm_kvevict import cpu_kernel
-from vllm_kvevict.core.eviction.compaction import fill_holes, hole_moves, plan_hole_moves_torch
+from vllm_kvevict.core.eviction.compaction import (fill_holes, hole_moves, plan_hole_moves_torch,
+                                                   select_and_fill_holes)
 from vllm_kvevict.core.layouts.cpu_layout import split_kv_cache
 from vllm_kvevict.core.layouts.nhd_layout import NHDLayout
+from vllm_kvevict.core.policies.base import recent_plus_top_scored
 from vllm_kvevict.integration.cpu_backend import discover_layout
 from vllm_kvevict.triton_kernels.reference import compact_ref
 
@@ -153,6 +155,64 @@ def test_fill_holes_holds_what_ordered_compaction_holds(name, copy_on_write, ker
     stays = keep < new_len
     assert torch.equal(after[stays], keep[stays])
     assert int((~stays).sum(dim=2).max()) <= old_len - new_len
+
+
+@pytest.mark.parametrize("old_len, new_len, recent", [
+    (3 * BS + 5, 2 * BS + 3, 8),   # drops few: the lowest are found
+    (4 * BS, 2 * BS, 32),          # a prompt's compaction: drops half, the kept are found
+    (3 * BS, 2 * BS, 2 * BS),      # every older token goes
+    (2 * BS, 2 * BS, 16)])         # nothing goes
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("by_age", [False, True])
+@pytest.mark.parametrize("copy_on_write", [False, True])
+@pytest.mark.parametrize("name", ["vec-strided", "vec-fallback", "amx-strided"])
+def test_compiled_selection_and_plan_equal_select_then_fill_holes(
+        name, copy_on_write, by_age, ties, old_len, new_len, recent):
+    """`select_and_fill_holes` (the kernel's select_hole_moves) leaves the
+    cache, the moved scores and the new slots exactly as the torch selection
+    (`recent_plus_top_scored`), the slots' gather and `fill_holes` do: with
+    ties at the cut (SnapKV/AnDPro's chunk scores; -0.0 beside 0.0, +inf as
+    finalize gives), slots out of age order after earlier compactions, and a
+    private copy of a shared block."""
+    if cpu_kernel.module() is None:
+        pytest.fail("the CPU kernel is not built: scripts/setup.sh builds it")
+    layout, split = _layout(name)
+    gen = torch.Generator().manual_seed(old_len + new_len + recent)
+    n_src, n_dst = -(-old_len // BS), -(-new_len // BS)
+    src = torch.randperm(NB - 2, generator=gen)[: 2 * n_src].view(2, n_src)
+    dst = src[:, :n_dst].clone()
+    if copy_on_write:
+        dst[0, 0] = NB - 1  # not among src's blocks
+    kv = torch.randn(NB, H, BS, 2 * D, generator=gen).to(torch.bfloat16)
+    moved = torch.rand(H, NB * BS, generator=gen)
+    if ties:
+        values = torch.tensor([-0.0, 0.0, 1.0, 2.0, float("inf")])
+        token_scores = values[torch.randint(0, 5, (2, H, old_len), generator=gen)]
+    else:
+        token_scores = torch.rand(2, H, old_len, generator=gen)
+    rows = None
+    if by_age:
+        rows = torch.stack([torch.randperm(old_len, generator=gen) for _ in range(2 * H)])
+        rows = rows.view(2, H, old_len)
+
+    want_kv, want_moved = kv.clone(), moved.clone()
+    keep = recent_plus_top_scored(token_scores.view(2 * H, old_len), new_len, recent)
+    keep = keep.view(2, H, new_len)
+    keep_slots = keep if rows is None else rows.gather(2, keep)
+    want = fill_holes(layout, *split(want_kv), src, dst, keep_slots, old_len, want_moved)
+
+    got = select_and_fill_holes(layout, *split(kv), src, dst, token_scores, new_len, recent, rows,
+                                moved)
+    assert got is not None
+    assert torch.equal(got[0], keep) and torch.equal(got[1], want)
+    assert torch.equal(kv, want_kv) and torch.equal(moved, want_moved)
+    if ties and recent < new_len < old_len:  # the cut really fell among tied scores
+        old = old_len - recent
+        kept = torch.zeros(2, H, old_len, dtype=torch.bool).scatter_(2, keep, True)[..., :old]
+        older = token_scores[..., :old]
+        lowest_kept = older.masked_fill(~kept, float("inf")).amin(-1)
+        highest_dropped = older.masked_fill(kept, -float("inf")).amax(-1)
+        assert bool((lowest_kept == highest_dropped).any())
 
 
 def test_private_scores_land_beside_their_kept_tokens():

@@ -43,6 +43,8 @@ import pytest
 import torch
 from kept_positions import KeptRecorder
 
+from vllm_kvevict.core.eviction.kernel_dispatch import cpu_copier
+
 BUDGET, RECENT, BLOCK = 64, 16, 32
 CHUNK = 128  # max_num_batched_tokens: the 150-token prompt is prefilled in 2 chunks
 MAX_TOKENS = 72
@@ -263,11 +265,13 @@ def llm(model_path, engines):
 
 
 def _vllm_generate(llm, prompt: list[int], max_tokens: int, extra_args: dict | None = None,
-                   salt: str | None = None):
+                   salt: str | None = None, kernel_selects: bool = False):
     """Greedy tokens; per compaction (plan, kept positions (L, H, new_len)); and
     the number of prompt tokens served from the prefix cache. `extra_args`: the
     request's own settings (e.g. {"kv_prefill_cap": 0}); `salt`: a cache_salt
-    (requests with different salts never share prefix-cache blocks)."""
+    (requests with different salts never share prefix-cache blocks);
+    kernel_selects: assert that every compaction's kept set came from the
+    compiled kernel's selection (`select_and_fill_holes`) where it is built."""
     from vllm import SamplingParams
 
     from vllm_kvevict.integration.worker import worker_state
@@ -282,6 +286,8 @@ def _vllm_generate(llm, prompt: list[int], max_tokens: int, extra_args: dict | N
         recorder.remove()
     snaps = recorder.compactions
     assert len({p.req_id for p, _ in snaps}) <= 1, "one request per generate call"
+    if kernel_selects and cpu_copier() is not None:
+        assert recorder.selected_by == {"kernel": len(snaps), "select": 0}, recorder.selected_by
     return list(res.outputs[0].token_ids), snaps, res.num_cached_tokens
 
 
@@ -376,7 +382,7 @@ def test_h2o_matches_dense_reference(llm, hf, prompts, idx, prefill):
     extra, chunk = PREFILL[prefill]
     # Its own salt: another case's run of the same prompt must not be a prefix hit.
     got_tokens, snaps, cached = _vllm_generate(llm, prompt, MAX_TOKENS, extra,
-                                               salt=f"h2o-{idx}-{prefill}")
+                                               salt=f"h2o-{idx}-{prefill}", kernel_selects=True)
     assert cached == 0
     assert all(p.new_len == BUDGET - BLOCK for p, _ in snaps)
 

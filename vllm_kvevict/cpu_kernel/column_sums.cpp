@@ -790,6 +790,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "tokens of the paged CPU cache at given slots, per head, as (L, H, n, D)");
   m.def("plan_hole_moves", &token_moves::plan_hole_moves,
         "compaction's moves (kept tokens past the new length into the holes) and where each kept token ends");
+  m.def("select_hole_moves", &token_moves::select_hole_moves,
+        "the kept set (recent + top-scored older tokens) and plan_hole_moves' moves, in one call");
   m.def("copy_blocks", &token_moves::copy_blocks, "copy whole blocks of the paged CPU cache, as packed");
   m.def("copy_rows", &token_moves::copy_rows,
         "dsts[l][cells[i]] = srcs[l][i] for every pair l, one memcpy per row");

@@ -52,7 +52,7 @@ def host_lens(cm) -> HostLens:
     return HostLens(cm.query_start_loc_cpu, cm.seq_lens_cpu_upper_bound)
 
 
-def physical_view(cm, evicted: torch.Tensor, block_size: int):
+def physical_view(cm, evicted: torch.Tensor, block_size: int, on_host: bool = False):
     """CommonAttentionMetadata with physical seq_lens and slot_mapping (and
     their host copy seq_lens_cpu_upper_bound, and max_seq_len).
 
@@ -61,13 +61,14 @@ def physical_view(cm, evicted: torch.Tensor, block_size: int):
     No sync: the device tensors are computed on the device (`evicted` uploaded
     asynchronously, repeat_interleave told its size); max_seq_len comes from
     the host copy of the lengths, read from the device only if vLLM gave none.
+    on_host: the metadata's tensors are host tensors (the CPU backend): the
+    slots are computed in numpy (`_physical_slots_host`).
     """
     num_reqs, n = cm.num_reqs, cm.num_actual_tokens
     if int(cm.query_start_loc_cpu[num_reqs]) != n:  # host values: free
         raise ValueError(f"physical_view: {n} tokens but query_start_loc ends at "
                          f"{int(cm.query_start_loc_cpu[num_reqs])} (padded metadata?)")
-    dev = cm.seq_lens.device
-    slots_of = _physical_slots_host if dev.type == "cpu" else _physical_slots
+    slots_of = _physical_slots_host if on_host else _physical_slots
     seq, slots = slots_of(cm, evicted, block_size)
     slot_mapping = cm.slot_mapping.clone()
     slot_mapping[:n] = slots
@@ -113,11 +114,11 @@ def _physical_slots_host(cm, evicted: torch.Tensor, block_size: int):
     return torch.from_numpy(seq), torch.from_numpy(blocks * block_size + pos % block_size)
 
 
-def physical_metadata(state, cm, block_size: int):
+def physical_metadata(state, cm, block_size: int, on_host: bool = False):
     """The builder's step: `cm` as is when no row of the batch has evicted,
-    else its `physical_view`."""
+    else its `physical_view` (on_host: the CPU backend's host tensors)."""
     evicted = state.evicted_per_row(cm.num_reqs)
-    return cm if evicted is None else physical_view(cm, evicted, block_size)
+    return cm if evicted is None else physical_view(cm, evicted, block_size, on_host)
 
 
 def evictable_spec(spec):

@@ -128,7 +128,7 @@ class EvictingCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         logical = common_attn_metadata
         if self.state is None:
             return super().build(common_prefix_len, logical, fast_build)
-        cm = physical_metadata(self.state, logical, self.block_size)
+        cm = physical_metadata(self.state, logical, self.block_size, on_host=True)
         metadata = super().build(common_prefix_len, cm, fast_build)
         scored = self.state.scored_rows(cm.num_reqs)
         fuse = fused_attention.wanted(self, self.state, cm)

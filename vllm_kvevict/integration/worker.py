@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from vllm_kvevict.core.scoring.chunk_log import ChunkLog
-from vllm_kvevict.core.eviction.compaction import fill_holes, slot_order
+from vllm_kvevict.core.eviction.compaction import fill_holes, select_and_fill_holes, slot_order
 from vllm_kvevict.core.config.settings import EvictionConfig
 from vllm_kvevict.core.layouts.cpu_layout import token_slots
 from vllm_kvevict.core.scoring.decode_log import DECODE_DEPTH, DecodeQueryLog, StepPlacement
@@ -403,27 +403,36 @@ class WorkerEviction:
                        if num_plans == 1 else None)
             ctx = StackContext(self, plans, st, rows, src_rows, src_slots, private)
             scores = self._compaction_scores(ctx)  # (P*L, H, old_len)
-            keep = self.policy.select(scores.reshape(num_plans * nl * h, -1), new_len,
-                                      keep_recent).view(num_plans * nl, h, new_len)
-            keep_slots = keep if rows is None else rows.gather(2, keep.to(rows.device))
-            if self.cfg.offload:  # read what is dropped before the kept tokens overwrite it
-                assert num_plans == 1, "offload compacts one request at a time (_batches)"
-                evicted_kv.append(evicted_entries(keep, ctx.keys(), ctx.values()))
             moved_scores = st.scores if st.scores.shape[1] else None  # a recorder's buffer
-            if use_triton(kc, st.layout):  # K, V and scores moved in place, in one kernel
-                ordered, perm = keep_slots.sort(dim=2)
-                triton_module("compaction").compact_in_place(
-                    kc, vc, moved_scores, src_slots,
-                    token_slots(dst_rows, dst_rows.shape[1] * bs, bs), ordered)
-                after = torch.empty_like(perm).scatter_(
-                    2, perm, torch.arange(new_len, device=perm.device).expand_as(perm))
-            else:  # only the kept tokens past new_len move, into the evicted slots
-                after = fill_holes(st.layout, kc, vc, src_rows, dst_rows, keep_slots,
-                                   old_len, moved_scores)
-            if private is not None:
-                # The kept blocks are all private now (spec.py copies shared
-                # ones): the private scores go beside the tokens.
-                restore(st.scores, private, keep, after, dst_rows, bs)
+            # The common case in one compiled call: the policy keeps recent +
+            # top-scored, and nothing needs the kept indices themselves.
+            fused = None
+            if private is None and not self.cfg.offload and self.policy.selects_top_scored():
+                fused = select_and_fill_holes(st.layout, kc, vc, src_rows, dst_rows, scores,
+                                              new_len, keep_recent, rows, moved_scores)
+            if fused is not None:
+                _, after = fused
+            else:  # select, then move: torch, Triton, or the policy's own select
+                keep = self.policy.select(scores.reshape(num_plans * nl * h, -1), new_len,
+                                          keep_recent).view(num_plans * nl, h, new_len)
+                keep_slots = keep if rows is None else rows.gather(2, keep.to(rows.device))
+                if self.cfg.offload:  # read what is dropped before the kept tokens overwrite it
+                    assert num_plans == 1, "offload compacts one request at a time (_batches)"
+                    evicted_kv.append(evicted_entries(keep, ctx.keys(), ctx.values()))
+                if use_triton(kc, st.layout):  # K, V and scores moved in place, in one kernel
+                    ordered, perm = keep_slots.sort(dim=2)
+                    triton_module("compaction").compact_in_place(
+                        kc, vc, moved_scores, src_slots,
+                        token_slots(dst_rows, dst_rows.shape[1] * bs, bs), ordered)
+                    after = torch.empty_like(perm).scatter_(
+                        2, perm, torch.arange(new_len, device=perm.device).expand_as(perm))
+                else:  # only the kept tokens past new_len move, into the evicted slots
+                    after = fill_holes(st.layout, kc, vc, src_rows, dst_rows, keep_slots,
+                                       old_len, moved_scores)
+                if private is not None:
+                    # The kept blocks are all private now (spec.py copies shared
+                    # ones): the private scores go beside the tokens.
+                    restore(st.scores, private, keep, after, dst_rows, bs)
             # stays on the cache's device
             new_order.append(after.to(torch.int32).view(num_plans, nl, h, new_len))
             first += nl

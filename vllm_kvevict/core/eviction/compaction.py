@@ -8,6 +8,9 @@ goes through a layout adapter (`core/layouts/layout.py`: `KVLayout` for the
 CPU cache, `NHDLayout` for FlashAttention's), so every backend moves tokens,
 and the scores that travel with them, the same way; the per-token moves run in
 the compiled CPU kernel where it is built (`kernel_dispatch.cpu_token_mover`).
+There `select_and_fill_holes` also takes the policy's selection (the recent
+tokens plus the top-scored older ones, `policies.base.recent_plus_top_scored`)
+into the same call, held to select-then-`fill_holes` by tests/test_fill_holes.py.
 
 On CUDA the worker runs the Triton kernel instead (triton_kernels/compaction.py:
 every kept token, in order, to slots [0, new_len), in one launch without a host
@@ -67,11 +70,7 @@ def fill_holes(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
     src_blocks, dst_blocks = src_blocks.to(dev), dst_blocks.to(dev)
     keep = keep.to(dev)
     mover = cpu_token_mover(layout, key_cache)
-    copied = (dst_blocks != src_blocks[:, : dst_blocks.shape[1]]).nonzero(as_tuple=True)
-    if copied[0].numel():
-        # Private copies first (fresh blocks, no token's source), then their holes.
-        copy_blocks(key_cache, value_cache, scores, src_blocks[copied], dst_blocks[copied], bs,
-                    mover)
+    _copy_private_blocks(layout, key_cache, value_cache, src_blocks, dst_blocks, scores, mover)
     if mover is not None:  # the plan and one pass over the moves, in C++ (vllm_kvevict/cpu_kernel)
         *moves, now = mover.plan_hole_moves(keep.contiguous(), old_len, src_blocks.contiguous(),
                                             dst_blocks.contiguous(), bs)
@@ -85,6 +84,50 @@ def fill_holes(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
     if scores is not None:
         scores[r_h, dst_blk * bs + dst_off] = scores[r_h, src_blk * bs + src_off]
     return now
+
+
+def select_and_fill_holes(layout, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          src_blocks: torch.Tensor, dst_blocks: torch.Tensor,
+                          token_scores: torch.Tensor, new_len: int, recent: int,
+                          rows: torch.Tensor | None,
+                          scores: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The policies' kept set (`policies.base.recent_plus_top_scored` of each
+    row's scores) and `fill_holes` with it, in one call of the compiled CPU
+    kernel (`select_hole_moves`) and one pass over the moves: what the
+    selection's fifteen small torch ops, the gather of its slots and the plan
+    cost a compaction, a few hundred microseconds in the engine, in one call.
+    Returns (kept, now), each (B, H, new_len) int64: the kept tokens' age
+    indices, ascending (what the selection returns), and fill_holes' result
+    for their slots; or None where that kernel does not run on this cache
+    (then select, then fill_holes).
+
+    token_scores: (B, H, old_len) float32, oldest token first
+    rows:         (B, H, old_len) int64 slot of each token by age, or None
+                  (slots in age order)
+    the rest as fill_holes."""
+    mover = cpu_token_mover(layout, key_cache)
+    if mover is None:
+        return None
+    _copy_private_blocks(layout, key_cache, value_cache, src_blocks, dst_blocks, scores, mover)
+    empty = torch.empty(0, dtype=torch.int64)
+    *moves, now, kept = mover.select_hole_moves(
+        token_scores.to(torch.float32).contiguous(), new_len, recent,
+        empty if rows is None else rows.long().contiguous(), src_blocks.long().contiguous(),
+        dst_blocks.long().contiguous(), layout.block_size)
+    mover.move_tokens(key_cache, value_cache, *layout.element_offsets(key_cache, value_cache),
+                      *moves, scores)
+    return kept, now
+
+
+def _copy_private_blocks(layout, key_cache, value_cache, src_blocks, dst_blocks, scores,
+                         mover) -> None:
+    """Private copies of shared blocks (dst differs from src) first: fresh
+    blocks, no token's source; their holes fill after."""
+    copied = (dst_blocks != src_blocks[:, : dst_blocks.shape[1]]).nonzero(as_tuple=True)
+    if copied[0].numel():
+        copy_blocks(key_cache, value_cache, scores, src_blocks[copied], dst_blocks[copied],
+                    layout.block_size, mover)
 
 
 def plan_hole_moves_torch(keep: torch.Tensor, old_len: int, src_blocks: torch.Tensor,

@@ -175,6 +175,12 @@ class EvictionPolicy:
         """(H, n) scores -> (H, keep) ascending kept indices."""
         return recent_plus_top_scored(scores, keep, recent)
 
+    def selects_top_scored(self) -> bool:
+        """Whether `select` is `recent_plus_top_scored` (not overridden), so a
+        compaction may take the compiled kernel's selection of the same set
+        (compaction.select_and_fill_holes)."""
+        return type(self).select is EvictionPolicy.select
+
     @classmethod
     def build(cls, sink: int, window: int) -> "EvictionPolicy":
         """The policy with the settings it takes (--kv-sink, --kv-window)."""
