@@ -94,9 +94,9 @@ def select_and_fill_holes(layout, key_cache: torch.Tensor, value_cache: torch.Te
                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The policies' kept set (`policies.base.recent_plus_top_scored` of each
     row's scores) and `fill_holes` with it, in one call of the compiled CPU
-    kernel (`select_hole_moves`) and one pass over the moves: what the
-    selection's fifteen small torch ops, the gather of its slots and the plan
-    cost a compaction, a few hundred microseconds in the engine, in one call.
+    kernel (`select_hole_moves`) and one pass over the moves. In the engine
+    the selection's ~15 small torch ops, the gather of its slots and the plan
+    took a few hundred microseconds a compaction; here they are one call.
     Returns (kept, now), each (B, H, new_len) int64: the kept tokens' age
     indices, ascending (what the selection returns), and fill_holes' result
     for their slots; or None where that kernel does not run on this cache
