@@ -58,9 +58,9 @@ def physical_view(cm, evicted: torch.Tensor, block_size: int, on_host: bool = Fa
 
     evicted: (num_reqs,) int32 host tensor, logical - physical per batch row.
     New tokens of row i occupy physical positions [S_i - q_i, S_i).
-    No sync: the device tensors are computed on the device (`evicted` uploaded
-    asynchronously, repeat_interleave told its size); max_seq_len comes from
-    the host copy of the lengths, read from the device only if vLLM gave none.
+    No sync: the device tensors are computed on the device (`_physical_slots`);
+    max_seq_len comes from the host copy of the lengths, read from the device
+    only if vLLM gave none.
     on_host: the metadata's tensors are host tensors (the CPU backend): the
     slots are computed in numpy (`_physical_slots_host`).
     """
@@ -88,7 +88,9 @@ def physical_view(cm, evicted: torch.Tensor, block_size: int, on_host: bool = Fa
 
 def _physical_slots(cm, evicted: torch.Tensor, block_size: int):
     """`physical_view`'s (num_reqs,) physical lengths and (n,) physical slots
-    of the step's new tokens, computed where the metadata's tensors live."""
+    of the step's new tokens, computed where the metadata's tensors live
+    without a sync (`evicted` uploaded asynchronously, repeat_interleave told
+    its size)."""
     num_reqs, n = cm.num_reqs, cm.num_actual_tokens
     dev = cm.seq_lens.device
     seq = cm.seq_lens[:num_reqs] - upload(evicted, dev)
