@@ -68,7 +68,7 @@ def test_a_served_engine_evicts_and_speculates(server):
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         plain = [pool.submit(server.complete, p, max_tokens=MAX_TOKENS, ignore_eos=True)
                  for p in PROMPTS[1:]]
-        resident, streamed = _streamed_resident(server, PROMPTS[0], from_tokens=100)
+        resident, streamed = _streamed_resident(server, PROMPTS[0], from_tokens=150)
         answers = [f.result() for f in plain]
     assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
     assert all(r.json()["usage"]["completion_tokens"] == MAX_TOKENS for r in answers)
