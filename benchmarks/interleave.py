@@ -14,15 +14,21 @@ never counts. The child prints its result line (RESULT_MARKER) when done.
 
 Parent side: `run_interleaved(commands)` starts the children together, lets
 each run to its first gated step (engine build and warm-up, untimed), then
-gives each live child one step per round, the order reversed every other
-round, until every child has printed its result. Before each turn it pauses
-SETTLE_S: a child that has just stepped leaves its OpenMP threads spinning
-(libgomp's default wait, measured here at 4-9 ms of CPU after a region) on
-the cores the next child needs. A lone engine has no such neighbour; on the
-2-core EPYC the spin cost the scoring policies of the main job 5-7 points
-more than stock (demo_ratio.py: snapkv 0.92x, andpro 0.92x without the
-pause, 0.99x / 0.97x with it, same session; docs/results.md, twenty-sixth
-session). The pause is outside every child's clock.
+gives each live child a turn of STEPS_PER_TURN steps in a fixed cycle, until
+every child has printed its result. A turn's first step follows another
+engine's step (its caches hold that engine's data), the second its own, as
+every step of a lone engine does: each engine gets the same mix. (Earlier
+runs gave one step a turn with the order reversed every other round; the
+engines at either end of the order then took half their steps right after
+their own, warm, and the rest none: fifty-fifth session, docs/results.md.)
+Before each turn it pauses SETTLE_S: a child that has just stepped leaves
+its OpenMP threads spinning (libgomp's default wait, measured here at 4-9 ms
+of CPU after a region) on the cores the next child needs. A lone engine has
+no such neighbour; on the 2-core EPYC the spin cost the scoring policies of
+the main job 5-7 points more than stock (demo_ratio.py: snapkv 0.92x, andpro
+0.92x without the pause, 0.99x / 0.97x with it, same session;
+docs/results.md, twenty-sixth session). The pause is outside every child's
+clock.
 """
 
 from __future__ import annotations
@@ -35,24 +41,34 @@ import time
 from common import RESULT_MARKER
 
 STEP_MARKER = "@@KVEVICT_STEP@@"
+WARM = "warm"  # the parent's word for a step right after the child's own
 SETTLE_S = 0.02  # pause before each turn: longer than libgomp's spin after a region
+STEPS_PER_TURN = 2  # one step after another engine's, one after its own (module docstring)
 
 
 class StepClock:
-    """Times every `engine.step()` by itself; gated: one step per turn."""
+    """Times every `engine.step()` by itself; gated: each step waits for the
+    parent's word. `warm[k]`: step k came right after this engine's own step
+    k - 1 (every step of an ungated clock, as of a lone engine; interleaved,
+    the second step of a turn)."""
 
     def __init__(self, engine, gated: bool) -> None:
         self.gated, self.real = gated, engine.step
         self.last_s = self.busy_s = 0.0
         self.times: list[float] = []  # every step's own seconds
+        self.warm: list[bool] = []
         engine.step = self.step
 
     def step(self):
         if self.gated:
             sys.stdout.write(STEP_MARKER + "\n")
             sys.stdout.flush()
-            if not sys.stdin.readline():
+            word = sys.stdin.readline()
+            if not word:
                 raise SystemExit("interleave: the parent is gone")
+            self.warm.append(word.strip() == WARM)
+        else:
+            self.warm.append(bool(self.times))
         t = time.perf_counter()
         out = self.real()
         self.last_s = time.perf_counter() - t
@@ -80,9 +96,9 @@ class _Child:
                 sys.stderr.write(line)
         return False
 
-    def go(self) -> bool:
+    def go(self, warm: bool) -> bool:
         try:
-            self.proc.stdin.write("\n")
+            self.proc.stdin.write((WARM if warm else "") + "\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
             return False
@@ -92,18 +108,21 @@ class _Child:
 def run_interleaved(commands: list[tuple[list[str], dict]], verbose: bool = False,
                     settle_s: float = SETTLE_S) -> list[tuple[dict | None, int, str]]:
     """commands: (argv, env) per child; settle_s: pause before each turn
-    (module docstring). Returns (result or None, exit code, last lines of output) per
-    child, in order."""
+    (module docstring). Step k of every child runs in round k // STEPS_PER_TURN.
+    Returns (result or None, exit code, last lines of output) per child, in
+    order."""
     children = [_Child(cmd, env, verbose) for cmd, env in commands]
     live = [c for c in children if c.advance()]
-    rnd = 0
+    last = None  # the child that stepped last
     while live:
-        for c in (list(live) if rnd % 2 == 0 else live[::-1]):
+        for c in list(live):
             if settle_s:
                 time.sleep(settle_s)
-            if not c.go():
-                live.remove(c)
-        rnd += 1
+            for _ in range(STEPS_PER_TURN):
+                warm, last = last is c, c
+                if not c.go(warm):
+                    live.remove(c)
+                    break
     out = []
     for c in children:
         c.proc.stdin.close()

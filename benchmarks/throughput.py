@@ -223,7 +223,8 @@ def run_config(cfg: dict) -> dict:
             "repeat_capacity_out_tok_s": [r.get("capacity_out_tok_s") for r in reps],
             "repeats_detail": [{k: v for k, v in r.items() if k not in
                                 ("output_token_ids", "blocks_trace", "running_trace",
-                                 "step_s", "step_tokens", "step_full", "step_running")}
+                                 "step_s", "step_tokens", "step_full", "step_running",
+                                 "step_warm")}
                                for r in reps],
         }
     finally:
@@ -263,7 +264,8 @@ def timed_steady(llm, rec: StepRecorder, mgr, prompts, cfg, clock: StepClock) ->
     done: dict[int, object] = {}
     emitted: dict[str, int] = {}
     full = {"steps": 0, "s": 0.0, "tokens": 0, "running": 0}
-    trace = {"step_s": [], "step_tokens": [], "step_full": [], "step_running": []}
+    trace = {"step_s": [], "step_tokens": [], "step_full": [], "step_running": [],
+             "step_warm": []}
 
     def run():
         step = added = 0
@@ -284,7 +286,7 @@ def timed_steady(llm, rec: StepRecorder, mgr, prompts, cfg, clock: StepClock) ->
                     done[int(out.request_id)] = out
             waiting = bool(rec.scheduler.get_request_counts()[1])
             running = rec.running[-1] if rec.running else 0
-            for key, v in zip(trace, (dt, new, waiting, running)):
+            for key, v in zip(trace, (dt, new, waiting, running, clock.warm[-1])):
                 trace[key].append(v)
             if waiting:
                 full["steps"] += 1
@@ -468,11 +470,13 @@ def run_table_interleaved(cfgs: list[dict], args) -> list[dict]:
 
 
 def paired_capacity(results: list[dict]) -> None:
-    """Interleaved steady runs: step k of every engine ran in round k. Restate
-    each run's figures at capacity over the rounds in which every engine on
-    the constrained pool (not the larger stock pools) had requests waiting,
-    so that all of them are measured over the same stretch of time. A run's
-    own stretch stays as own_capacity_*."""
+    """Interleaved steady runs: step k of every engine ran in the same round.
+    Restate each run's figures at capacity over the steps at which every
+    engine on the constrained pool (not the larger stock pools) had requests
+    waiting, so that all of them are measured over the same stretch of time.
+    A run's own stretch stays as own_capacity_*. capacity_warm_*: the same
+    over those of the steps that came right after each engine's own step
+    (`StepClock.warm`), as every step of a lone engine does."""
     ok = [r for r in results if r.get("ok")]
     base = [r for r in ok if r.get("pool_multiple", 1) == 1]
     if not base:
@@ -493,6 +497,13 @@ def paired_capacity(results: list[dict]) -> None:
                  capacity_ms_per_step=1000 * s / len(keys) if keys else None,
                  capacity_paired=r in base)
         r["repeat_capacity_out_tok_s"] = [r["capacity_out_tok_s"]]  # one run per round
+        if all("step_warm" in b for b in (*base, r)):
+            warm = [k for k in keys if all(b["step_warm"][k] for b in (base if r in base else [r]))]
+            ws = sum(r["step_s"][k] for k in warm)
+            r.update(capacity_warm_steps=len(warm),
+                     capacity_warm_out_tok_s=sum(r["step_tokens"][k] for k in warm) / ws
+                     if ws else None,
+                     capacity_warm_ms_per_step=1000 * ws / len(warm) if warm else None)
 
 
 def best_of(rs: list[dict]) -> dict:
@@ -580,20 +591,25 @@ def table_constrained(results: list[dict]) -> str:
 
 def table_steady(results: list[dict]) -> str:
     """The lockstep columns, plus the engine at capacity (steps with requests waiting)."""
+    def ratio(r, stock, key):
+        a, b = r.get(key), stock.get(key) if stock else None
+        return f"{fmt(a / b if a and b else None, '.2f')}x"
+
     def cells(r, stock):
-        cap = r.get("capacity_out_tok_s")
-        scap = stock.get("capacity_out_tok_s") if stock else None
-        return [*table_cells_constrained(r, stock)[:2], fmt(cap, ".1f"),
-                f"{fmt(cap / scap if cap and scap else None, '.2f')}x",
+        return [*table_cells_constrained(r, stock)[:2],
+                fmt(r.get("capacity_out_tok_s"), ".1f"), ratio(r, stock, "capacity_out_tok_s"),
                 fmt(r.get("capacity_mean_running"), ".1f"),
                 fmt(r.get("capacity_ms_per_step"), ".1f"), r.get("capacity_steps"),
+                fmt(r.get("capacity_warm_ms_per_step"), ".1f"),
+                ratio(r, stock, "capacity_warm_out_tok_s"),
                 f"{r['peak_blocks']}/{r['num_gpu_blocks'] - 1}", f"{r['mean_running']:.1f}",
                 r["preemptions"], fmt(r["out_tok_per_cpu_s"], ".1f")]
 
     return _table(results, ["out tok/s (whole run)", "vs stock", "at capacity tok/s",
                             "vs stock", "running at capacity", "ms/step at capacity",
-                            "steps at capacity", "peak blocks", "mean running",
-                            "preemptions", "out tok/CPU-s"], cells)
+                            "steps at capacity", "warm steps: ms/step", "vs stock",
+                            "peak blocks", "mean running", "preemptions", "out tok/CPU-s"],
+                  cells)
 
 
 def table_ample(results: list[dict]) -> str:
@@ -903,6 +919,10 @@ def main(argv=None) -> int:
               "preemptions = calls to Scheduler._preempt_request; max blocks/request = max "
               "len(manager.req_to_blocks[r]) over running r and steps; kept/seen = "
               "resident vs logical tokens of each request at its last step, summed.")
+        if any(r.get("capacity_warm_steps") for r in res_c):
+            print("warm steps = the steps at capacity that came right after the engine's own "
+                  "step, as every step of a lone engine does (interleaved: the second step of "
+                  "each turn, benchmarks/interleave.py).")
     if res_a:
         r0 = ample[0]
         print(f"\n### Memory ample: {r0['num_requests']} requests x "

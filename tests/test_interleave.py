@@ -41,7 +41,7 @@ for _ in range(steps):
     engine.step()
 wall = time.perf_counter() - t0
 print(RESULT_MARKER + json.dumps({"name": name, "busy_s": clock.busy_s, "wall_s": wall,
-                                  "steps": len(clock.times)}), flush=True)
+                                  "steps": len(clock.times), "warm": clock.warm}), flush=True)
 """
 
 
@@ -59,11 +59,14 @@ def test_engines_take_turns_and_each_is_timed_by_its_own_steps(tmp_path):
     log = tmp_path / "steps.log"
     out = run_interleaved([child("a", 3, 0.01, log), child("b", 5, 0.08, log)])
     assert [rc for _, rc, _ in out] == [0, 0], [tail for _, _, tail in out]
-    # one step each per round, the order reversed every other round; once a
-    # has finished, b goes on alone
-    assert [name for name, _ in _steps(log)] == ["a", "b", "b", "a", "a", "b", "b", "b"]
+    # two steps a turn (one after the other engine, one after its own), in a
+    # fixed cycle; once a has finished, b goes on alone
+    assert [name for name, _ in _steps(log)] == ["a", "a", "b", "b", "a", "b", "b", "b"]
     a, b = (res for res, _, _ in out)
     assert (a["steps"], b["steps"]) == (3, 5)
+    # warm: the step came right after the child's own (b's last: it is alone)
+    assert a["warm"] == [False, True, False]
+    assert b["warm"] == [False, True, False, True, True]
     # a's wall time includes waiting for b's 0.08 s steps; its clock does not
     assert a["wall_s"] > 0.15
     assert 0.03 <= a["busy_s"] < 0.1
@@ -76,9 +79,11 @@ def test_settle_pauses_before_every_turn_and_the_clocks_do_not_count_it(tmp_path
     log = tmp_path / "steps.log"
     out = run_interleaved([child("a", 4, 0.0, log), child("b", 4, 0.0, log)], settle_s=0.05)
     assert [rc for _, rc, _ in out] == [0, 0], [tail for _, _, tail in out]
-    starts = [t for _, t in _steps(log)]
-    assert len(starts) == 8
-    assert min(b - a for a, b in zip(starts, starts[1:])) >= 0.05
+    steps = _steps(log)
+    assert [name for name, _ in steps] == ["a", "a", "b", "b"] * 2
+    # a turn starts settle_s or more after the last step began
+    gaps = [t1 - t0 for (n0, t0), (n1, t1) in zip(steps, steps[1:]) if n1 != n0]
+    assert len(gaps) == 3 and min(gaps) >= 0.05
     assert all(res["busy_s"] < 0.04 for res, _, _ in out)  # 4 steps of nothing each
 
 
@@ -102,11 +107,13 @@ def test_an_ungated_clock_does_not_wait():
     clock = StepClock(engine, gated=False)
     assert engine.step() == "out" and engine.step() == "out"
     assert len(clock.times) == 2 and clock.busy_s >= 0.02 and clock.last_s == clock.times[-1]
+    assert clock.warm == [False, True]  # a lone engine's every step after the first
 
 
 def _steady_run(full, tokens, step_s, running, pool_multiple=1):
     return {"ok": True, "pool_multiple": pool_multiple, "step_full": full,
             "step_tokens": tokens, "step_s": step_s, "step_running": running,
+            "step_warm": [k % 2 == 1 for k in range(len(full))],
             "capacity_steps": sum(full), "capacity_out_tok_s": 1.0,
             "capacity_mean_running": 1.0, "capacity_ms_per_step": 1.0}
 
@@ -127,6 +134,10 @@ def test_paired_capacity_takes_the_steps_every_engine_on_the_pool_was_full():
     # the larger stock pool is not paired: its own stretch
     assert bigger["capacity_steps"] == 1 and not bigger["capacity_paired"]
     assert bigger["capacity_out_tok_s"] == pytest.approx(7 / 0.2)
+    # warm: of those, the steps right after each engine's own (odd k here)
+    assert stock["capacity_warm_steps"] == plugin["capacity_warm_steps"] == 1
+    assert plugin["capacity_warm_out_tok_s"] == pytest.approx(20 / 0.5)
+    assert stock["capacity_warm_ms_per_step"] == pytest.approx(100)
 
 
 def test_windowed_stock_runs_beside_stock_but_is_never_the_baseline(tmp_path):
