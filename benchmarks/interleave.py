@@ -16,8 +16,11 @@ Parent side: `run_interleaved(commands)` starts the children together, lets
 each run to its first gated step (engine build and warm-up, untimed), then
 gives each live child a turn of STEPS_PER_TURN steps in a fixed cycle, until
 every child has printed its result. A turn's first step follows another
-engine's step (its caches hold that engine's data), the second its own, as
-every step of a lone engine does: each engine gets the same mix. (Earlier
+engine's step (its caches hold that engine's data), the others its own, as
+every step of a lone engine does: each engine gets the same mix. Three
+steps, not two: the steady workload's arrivals every second step lock each
+request's compactions to one parity of the step count, which a two-step
+turn would make all warm or all cold. (Earlier
 runs gave one step a turn with the order reversed every other round; the
 engines at either end of the order then took half their steps right after
 their own, warm, and the rest none: fifty-fifth session, docs/results.md.)
@@ -43,14 +46,14 @@ from common import RESULT_MARKER
 STEP_MARKER = "@@KVEVICT_STEP@@"
 WARM = "warm"  # the parent's word for a step right after the child's own
 SETTLE_S = 0.02  # pause before each turn: longer than libgomp's spin after a region
-STEPS_PER_TURN = 2  # one step after another engine's, one after its own (module docstring)
+STEPS_PER_TURN = 3  # one step after another engine's, two after its own (module docstring)
 
 
 class StepClock:
     """Times every `engine.step()` by itself; gated: each step waits for the
     parent's word. `warm[k]`: step k came right after this engine's own step
     k - 1 (every step of an ungated clock, as of a lone engine; interleaved,
-    the second step of a turn)."""
+    all but the first step of a turn)."""
 
     def __init__(self, engine, gated: bool) -> None:
         self.gated, self.real = gated, engine.step

@@ -921,8 +921,8 @@ def main(argv=None) -> int:
               "resident vs logical tokens of each request at its last step, summed.")
         if any(r.get("capacity_warm_steps") for r in res_c):
             print("warm steps = the steps at capacity that came right after the engine's own "
-                  "step, as every step of a lone engine does (interleaved: the second step of "
-                  "each turn, benchmarks/interleave.py).")
+                  "step, as every step of a lone engine does (interleaved: all but the first step "
+                  "of each turn, benchmarks/interleave.py).")
     if res_a:
         r0 = ample[0]
         print(f"\n### Memory ample: {r0['num_requests']} requests x "

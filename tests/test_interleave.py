@@ -57,16 +57,16 @@ def _steps(log: Path) -> list[tuple[str, float]]:
 
 def test_engines_take_turns_and_each_is_timed_by_its_own_steps(tmp_path):
     log = tmp_path / "steps.log"
-    out = run_interleaved([child("a", 3, 0.01, log), child("b", 5, 0.08, log)])
+    out = run_interleaved([child("a", 4, 0.01, log), child("b", 5, 0.08, log)])
     assert [rc for _, rc, _ in out] == [0, 0], [tail for _, _, tail in out]
-    # two steps a turn (one after the other engine, one after its own), in a
+    # three steps a turn (one after the other engine, two after its own), in a
     # fixed cycle; once a has finished, b goes on alone
-    assert [name for name, _ in _steps(log)] == ["a", "a", "b", "b", "a", "b", "b", "b"]
+    assert [name for name, _ in _steps(log)] == list("aaabbbabb")
     a, b = (res for res, _, _ in out)
-    assert (a["steps"], b["steps"]) == (3, 5)
-    # warm: the step came right after the child's own (b's last: it is alone)
-    assert a["warm"] == [False, True, False]
-    assert b["warm"] == [False, True, False, True, True]
+    assert (a["steps"], b["steps"]) == (4, 5)
+    # warm: the step came right after the child's own (a turn's first follows the other's)
+    assert a["warm"] == [False, True, True, False]
+    assert b["warm"] == [False, True, True, False, True]
     # a's wall time includes waiting for b's 0.08 s steps; its clock does not
     assert a["wall_s"] > 0.15
     assert 0.03 <= a["busy_s"] < 0.1
@@ -80,7 +80,7 @@ def test_settle_pauses_before_every_turn_and_the_clocks_do_not_count_it(tmp_path
     out = run_interleaved([child("a", 4, 0.0, log), child("b", 4, 0.0, log)], settle_s=0.05)
     assert [rc for _, rc, _ in out] == [0, 0], [tail for _, _, tail in out]
     steps = _steps(log)
-    assert [name for name, _ in steps] == ["a", "a", "b", "b"] * 2
+    assert [name for name, _ in steps] == ["a", "a", "a", "b", "b", "b", "a", "b"]
     # a turn starts settle_s or more after the last step began
     gaps = [t1 - t0 for (n0, t0), (n1, t1) in zip(steps, steps[1:]) if n1 != n0]
     assert len(gaps) == 3 and min(gaps) >= 0.05
