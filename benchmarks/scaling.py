@@ -22,9 +22,10 @@ Method
   while later ones are still prefilling).
 * Interleaving. The engines of one ctx are alive at the same time, each in
   its own process, and every point runs on all of them with their steps
-  interleaved: the parent sends "step" to each engine in turn, so step k of
-  stock and step k of the plugin run back to back (who goes first alternates
-  from step to step), and only engine.step() itself is timed. On this
+  interleaved: the parent sends "step" to each engine in turns of
+  STEPS_PER_TURN steps in a fixed cycle (benchmarks/interleave.py: a turn's
+  first step follows another engine's, the rest the engine's own, the same
+  mix for every engine), and only engine.step() itself is timed. On this
   project's shared VMs the same matrix product's speed flips between two
   levels 1.7x apart within seconds (a noisy neighbour on the core's sibling);
   running whole points back to back put one side on the fast level and the
@@ -114,6 +115,7 @@ from common import (
     make_prompts,
     plugin_fingerprint,
 )
+from interleave import STEPS_PER_TURN
 
 from vllm_kvevict.core.config.settings import POLICIES
 from vllm_kvevict.probe import full_attention_manager, scheduler_of
@@ -384,20 +386,23 @@ class Worker:
 
 
 def run_point(workers: dict, batch: int) -> dict[str, dict]:
-    """One point on every engine, their steps interleaved: step k of each
-    engine runs right after step k of the others, the engine going first
-    alternating from step to step. Returns policy -> result."""
+    """One point on every engine, their steps interleaved: turns of
+    STEPS_PER_TURN steps in a fixed cycle, so step k of each engine runs
+    within one round of step k of the others, and every engine's steps
+    follow its own or another's alike (the order reversed every other round,
+    as before, gave the middle engines of three or more no step after their
+    own). Returns policy -> result."""
     started = {p: w.send({"start": batch}) for p, w in workers.items()}
     live = [p for p, r in started.items() if r.get("ok")]
-    k = 0
     while live:
-        for p in (live if k % 2 == 0 else live[::-1]):
-            r = workers[p].send({"step": 1})
-            if not (r.get("ok") and r["more"]):
-                live.remove(p)
-                if not r.get("ok"):
-                    started[p] = r
-        k += 1
+        for p in list(live):
+            for _ in range(STEPS_PER_TURN):
+                r = workers[p].send({"step": 1})
+                if not (r.get("ok") and r["more"]):
+                    live.remove(p)
+                    if not r.get("ok"):
+                        started[p] = r
+                    break
     out = {}
     for p, w in workers.items():
         r = w.send({"result": 1}) if started[p].get("ok") else started[p]
