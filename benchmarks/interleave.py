@@ -108,6 +108,24 @@ class _Child:
         return self.advance()
 
 
+def take_turns(live: list, step, settle_s: float = 0.0) -> None:
+    """The turn order (module docstring): each of `live` in turn takes
+    STEPS_PER_TURN steps, in a fixed cycle, until every one has ended.
+    step(item, warm) takes one step and returns False once the item has
+    ended; warm: the item took the step before this one. settle_s: pause
+    before each turn."""
+    live, last = list(live), None
+    while live:
+        for item in list(live):
+            if settle_s:
+                time.sleep(settle_s)
+            for _ in range(STEPS_PER_TURN):
+                warm, last = last is item, item
+                if not step(item, warm):
+                    live.remove(item)
+                    break
+
+
 def run_interleaved(commands: list[tuple[list[str], dict]], verbose: bool = False,
                     settle_s: float = SETTLE_S) -> list[tuple[dict | None, int, str]]:
     """commands: (argv, env) per child; settle_s: pause before each turn
@@ -115,17 +133,7 @@ def run_interleaved(commands: list[tuple[list[str], dict]], verbose: bool = Fals
     Returns (result or None, exit code, last lines of output) per child, in
     order."""
     children = [_Child(cmd, env, verbose) for cmd, env in commands]
-    live = [c for c in children if c.advance()]
-    last = None  # the child that stepped last
-    while live:
-        for c in list(live):
-            if settle_s:
-                time.sleep(settle_s)
-            for _ in range(STEPS_PER_TURN):
-                warm, last = last is c, c
-                if not c.go(warm):
-                    live.remove(c)
-                    break
+    take_turns([c for c in children if c.advance()], _Child.go, settle_s)
     out = []
     for c in children:
         c.proc.stdin.close()

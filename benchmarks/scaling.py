@@ -115,7 +115,7 @@ from common import (
     make_prompts,
     plugin_fingerprint,
 )
-from interleave import STEPS_PER_TURN
+from interleave import take_turns
 
 from vllm_kvevict.core.config.settings import POLICIES
 from vllm_kvevict.probe import full_attention_manager, scheduler_of
@@ -386,23 +386,21 @@ class Worker:
 
 
 def run_point(workers: dict, batch: int) -> dict[str, dict]:
-    """One point on every engine, their steps interleaved: turns of
-    STEPS_PER_TURN steps in a fixed cycle, so step k of each engine runs
-    within one round of step k of the others, and every engine's steps
-    follow its own or another's alike (the order reversed every other round,
-    as before, gave the middle engines of three or more no step after their
-    own). Returns policy -> result."""
+    """One point on every engine, their steps interleaved in interleave.py's
+    turn order (`take_turns`), so step k of each engine runs within one round
+    of step k of the others, and every engine's steps follow its own or
+    another's alike (the order reversed every other round, as before, gave
+    the middle engines of three or more no step after their own). Returns
+    policy -> result."""
     started = {p: w.send({"start": batch}) for p, w in workers.items()}
-    live = [p for p, r in started.items() if r.get("ok")]
-    while live:
-        for p in list(live):
-            for _ in range(STEPS_PER_TURN):
-                r = workers[p].send({"step": 1})
-                if not (r.get("ok") and r["more"]):
-                    live.remove(p)
-                    if not r.get("ok"):
-                        started[p] = r
-                    break
+
+    def step(p: str, _warm: bool) -> bool:
+        r = workers[p].send({"step": 1})
+        if not r.get("ok"):
+            started[p] = r
+        return bool(r.get("ok") and r["more"])
+
+    take_turns([p for p, r in started.items() if r.get("ok")], step)
     out = {}
     for p, w in workers.items():
         r = w.send({"result": 1}) if started[p].get("ok") else started[p]
