@@ -22,6 +22,7 @@ original, delegates to it, and refuses to patch twice.
 | metrics_registry       | prometheus_client.multiprocess.MultiProcessCollector, as vLLM's /metrics builds it (the eviction series with several API servers) |
 | worker_memory          | CPUWorker / Worker.determine_available_memory (an auto-sized cache leaves room for eviction's buffers) |
 | dispatcher_scan        | vllm.triton_utils.dispatcher's `vars` (an engine after an n-gram speculative one failed to start: llvmlite's wrapper) |
+| cpu_shm_unlink         | _CPUSHMDistributed._init_cpu_shm (CPU TP/PP: shared-memory segments unlinked once mapped; a killed engine's no longer blocks a Ray engine's start) |
 
 vLLM internals used outside this folder (no patch: read, called, subclassed or
 stamped; each may break on a vLLM upgrade, so each is listed here, and
@@ -56,7 +57,7 @@ PATCHES = ("engine_args", "scheduler_schedule", "runner_update_states",
            "request_validation", "ray_on_cpu", "kv_manager_modules", "engine_core_modules",
            "runner_positions", "input_processor_pml", "async_llm_pml", "tokenize_truncation",
            "pp_intermediate_tensors", "cpu_seeded_sampling",
-           "metrics_registry", "worker_memory", "dispatcher_scan")
+           "metrics_registry", "worker_memory", "dispatcher_scan", "cpu_shm_unlink")
 _applied: set[str] = set()
 
 

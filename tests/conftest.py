@@ -244,7 +244,8 @@ H2O_SERVER_ARGS = ("--kv-eviction", "h2o", "--kv-budget", "64", "--max-num-seqs"
 # kills the server). Every other file is a group of its own (its tests share
 # its engines).
 GROUPS = {
-    "tensor_parallel": ("test_tensor_parallel.py", "test_ray.py", "test_pipeline_parallel.py"),
+    "tensor_parallel": ("test_tensor_parallel.py", "test_ray.py", "test_pipeline_parallel.py",
+                        "test_cpu_shm.py"),
     "calibrated": ("test_infinigen_calibrate.py", "test_infinigen_engine.py",
                    "test_infinigen_server.py"),
     "h2o_server": ("test_load.py", "test_soak.py", "test_server.py", "test_worker_fault.py"),

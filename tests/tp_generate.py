@@ -79,6 +79,23 @@ def process_cpus() -> list[int]:
     return sorted(cpus)
 
 
+def shm_segments() -> dict:
+    """In a worker: for each of its TP / PP groups that all-reduces through
+    vLLM's CPU shared memory, the group's segment names still in /dev/shm
+    (patches/cpu_shm_unlink.py: none, once the engine has started)."""
+    import os
+
+    from vllm.distributed import get_pp_group, get_tp_group
+
+    found = {}
+    for group in (get_tp_group(), get_pp_group()):
+        dist = getattr(group.device_communicator, "dist_module", None)
+        if type(dist).__name__ == "_CPUSHMDistributed":
+            names = [f"{dist.group_name}_{r}" for r in range(group.world_size)]
+            found[group.unique_name] = [n for n in names if os.path.exists(f"/dev/shm/{n}")]
+    return found
+
+
 def record_compactions(worker) -> dict:
     """In a worker: who am I, is the plugin live here, and from now on keep
     every compaction's kept logical positions (per layer and local KV head).
@@ -94,7 +111,7 @@ def record_compactions(worker) -> dict:
     info = {"pid": os.getpid(), "rank": get_tensor_model_parallel_rank(),
             "stage": get_pp_group().rank_in_group,
             "plugin": state is not None, "ray_actor": None,
-            "cpus": process_cpus()}
+            "cpus": process_cpus(), "shm_segments": shm_segments()}
     try:
         import ray
 
