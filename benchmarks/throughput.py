@@ -19,7 +19,12 @@ Three tables, every configuration in one run:
    the arrival schedule, decided how many requests ran. With --repeats, the
    repeat fastest at capacity is reported. With --interleave (below), "at
    capacity" is the stretch of steps at which every engine on the pool was
-   at capacity at once.
+   at capacity at once. By default the run drains its --num-requests, so the
+   engines that serve more at once run out of work first, and that stretch
+   is stock's first steps at capacity, its requests all young. With
+   --steady-steps S, arrivals go on until step S and every engine stops
+   there: all of them are at capacity over the same steps, and stock's
+   stretch covers its requests' whole lives, preemptions included.
 3. "memory ample": a pool large enough that nothing is preempted, so what
    differs from stock is the per-step cost of scoring + compaction (and the
    cheaper attention over fewer resident tokens).
@@ -255,13 +260,21 @@ def timed_steady(llm, rec: StepRecorder, mgr, prompts, cfg, clock: StepClock) ->
     i.e. the steps in which memory, not the arrival schedule, set how many
     requests ran. Stock and the plugin are measured by the same rule.
     Per-step traces (step_s, step_tokens, step_full) let an interleaved run
-    take the steps in which every engine was at capacity (`paired_capacity`)."""
+    take the steps in which every engine was at capacity (`paired_capacity`).
+
+    cfg["steady_steps"] (--steady-steps): stop at that step instead of
+    draining; the requests still unfinished are aborted and come back with
+    the tokens they had (never-started ones with none)."""
+    from types import SimpleNamespace
+
     from vllm import SamplingParams
 
     engine = llm.llm_engine
     lengths = steady_lengths(cfg)
     gap = cfg["arrival_gap"]
+    horizon = cfg.get("steady_steps") or math.inf
     done: dict[int, object] = {}
+    last: dict[int, object] = {}  # each request's newest output (cumulative tokens)
     emitted: dict[str, int] = {}
     full = {"steps": 0, "s": 0.0, "tokens": 0, "running": 0}
     trace = {"step_s": [], "step_tokens": [], "step_full": [], "step_running": [],
@@ -269,7 +282,7 @@ def timed_steady(llm, rec: StepRecorder, mgr, prompts, cfg, clock: StepClock) ->
 
     def run():
         step = added = 0
-        while added < len(prompts) or engine.has_unfinished_requests():
+        while (added < len(prompts) or engine.has_unfinished_requests()) and step < horizon:
             while added < len(prompts) and step >= added * gap:
                 engine.add_request(str(added), {"prompt_token_ids": prompts[added]},
                                    SamplingParams(max_tokens=lengths[added], ignore_eos=True,
@@ -282,6 +295,7 @@ def timed_steady(llm, rec: StepRecorder, mgr, prompts, cfg, clock: StepClock) ->
                 n = len(out.outputs[0].token_ids)
                 new += n - emitted.get(out.request_id, 0)
                 emitted[out.request_id] = n
+                last[int(out.request_id)] = out
                 if out.finished:
                     done[int(out.request_id)] = out
             waiting = bool(rec.scheduler.get_request_counts()[1])
@@ -294,6 +308,10 @@ def timed_steady(llm, rec: StepRecorder, mgr, prompts, cfg, clock: StepClock) ->
                 full["tokens"] += new
                 full["running"] += running
             step += 1
+        if step >= horizon:  # stopped, not drained: free what is still running
+            engine.abort_request([str(i) for i in range(added) if i not in done])
+            none = SimpleNamespace(finished=False, outputs=[SimpleNamespace(token_ids=[])])
+            return [done.get(i, last.get(i, none)) for i in range(added)]
         return [done[i] for i in range(len(prompts))]
 
     res = _timed(rec, mgr, cfg, run, lengths, clock)
@@ -743,6 +761,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(lockstep) and/or staggered arrivals with varied lengths (steady)")
     p.add_argument("--arrival-gap", type=int, default=2,
                    help="steady workload: engine steps between arrivals (default 2)")
+    p.add_argument("--steady-steps", type=int, default=None, metavar="S",
+                   help="steady workload: stop every engine at step S, arrivals going on "
+                        "until then (S / arrival gap requests, --num-requests ignored), "
+                        "instead of draining --num-requests: every engine is at capacity "
+                        "over the same steps, stock's over its requests' whole lives "
+                        "(default: drain)")
     p.add_argument("--skip-ample", action="store_true", help="only the constrained tables")
     p.add_argument("--skip-constrained", action="store_true", help="only the ample table")
     p.add_argument("--no-warmup", action="store_true",
@@ -834,6 +858,10 @@ def configs(args, model: str) -> tuple[list[dict], list[dict]]:
              for p, b in pol]
     steady = [dict(c, table="steady", workload="steady", arrival_gap=args.arrival_gap)
               for c in constrained if "steady" in args.workloads]
+    if args.steady_steps:  # arrivals until the horizon, never a dry queue
+        steady = [dict(c, steady_steps=args.steady_steps,
+                       num_requests=math.ceil(args.steady_steps / args.arrival_gap))
+                  for c in steady]
     constrained = [c for c in constrained if "lockstep" in args.workloads] + steady
     if args.speculative_both:  # each config, then the same without drafts
         constrained, ample = ([v for c in cs for v in (c, dict(c, speculative=None))]
@@ -897,7 +925,9 @@ def main(argv=None) -> int:
         blocks = math.ceil(r0["pool_tokens"] / r0["block_size"])
         what = (f"{r0['output_len']} generated, all at once" if table == "constrained" else
                 f"{r0['output_len'] // 2}-{3 * r0['output_len'] // 2} generated (seeded), "
-                f"one arrival every {r0['arrival_gap']} steps")
+                f"one arrival every {r0['arrival_gap']} steps"
+                + (f", every engine stopped at step {r0['steady_steps']}"
+                   if r0.get("steady_steps") else ""))
         print(f"\n### Constrained pool, {'lockstep' if table == 'constrained' else 'steady state'}: "
               f"{r0['num_requests']} requests x ({r0['prompt_len']} prompt + {what}) tokens, "
               f"pool {r0['pool_tokens']} tokens = {blocks} blocks "

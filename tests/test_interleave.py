@@ -166,3 +166,76 @@ def test_windowed_stock_runs_beside_stock_but_is_never_the_baseline(tmp_path):
     stock = throughput.stock_of(rows)
     assert stock["policy"] == "none" and not stock.get("stock_window")
     assert [throughput.label(r) for r in rows] == ["none", "h2o", "none, window 128"]
+
+
+class _QueueEngine:
+    """A stand-in for vLLM's LLMEngine under the steady workload: each step
+    gives one token to each of the first `cap` unfinished requests (the rest
+    wait), and returns their cumulative outputs."""
+
+    def __init__(self, cap: int):
+        self.cap, self.reqs, self.aborted = cap, {}, []
+
+    def add_request(self, rid, prompt, params):
+        self.reqs[rid] = {"want": params.max_tokens, "ids": []}
+
+    def step(self):
+        from types import SimpleNamespace
+        outs = []
+        for rid in list(self.reqs)[:self.cap]:
+            r = self.reqs[rid]
+            r["ids"].append(0)
+            done = len(r["ids"]) == r["want"]
+            outs.append(SimpleNamespace(request_id=rid, finished=done,
+                                        outputs=[SimpleNamespace(token_ids=list(r["ids"]))]))
+            if done:
+                del self.reqs[rid]
+        return outs
+
+    def has_unfinished_requests(self):
+        return bool(self.reqs)
+
+    def abort_request(self, ids):
+        self.aborted += ids
+        for rid in ids:
+            self.reqs.pop(rid, None)
+
+    def waiting(self):
+        return max(0, len(self.reqs) - self.cap)
+
+
+def test_steady_steps_stops_every_engine_at_the_horizon_with_arrivals_until_then(tmp_path):
+    """--steady-steps S: S / gap requests (arrivals never stop before S), the
+    run ends after step S, what still runs or waits is aborted, and every
+    added request comes back in order with the tokens it had."""
+    from types import SimpleNamespace
+
+    import throughput
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 3}))
+    args = throughput.parse_args(["--model", str(model), "--policies", "none",
+                                  "--stock-pool-multiples", "--skip-ample",
+                                  "--workloads", "steady", "--steady-steps", "9"])
+    (cfg,), _ = throughput.configs(args, str(model))
+    assert (cfg["steady_steps"], cfg["num_requests"], cfg["arrival_gap"]) == (9, 5, 2)
+
+    engine = _QueueEngine(cap=2)
+    clock = StepClock(engine, gated=False)
+    rec = SimpleNamespace(running=[], last_len={}, steps=0, blocks_used=[], preemptions=0,
+                          drafts=0, accepted=0, max_blocks_per_request=0, req_max={},
+                          reset=lambda: None,
+                          scheduler=SimpleNamespace(
+                              get_request_counts=lambda: (0, engine.waiting())))
+    res = throughput.timed_steady(SimpleNamespace(llm_engine=engine), rec, None,
+                                  [[1, 2]] * cfg["num_requests"], cfg, clock)
+    assert min(throughput.steady_lengths(cfg)) > 9  # none can finish by the horizon
+    assert len(clock.times) == 9  # stopped at the horizon, not drained
+    assert res["requests"] == 5  # arrivals at steps 0, 2, 4, 6, 8: all added
+    assert sorted(engine.aborted) == ["0", "1", "2", "3", "4"] and not engine.reqs
+    # two at a time, first come first served: request 0 got a token at each of
+    # the 9 steps, request 1 from its arrival at step 2; 2-4 waited, no tokens
+    assert [len(ids) for ids in res["output_token_ids"]] == [9, 7, 0, 0, 0]
+    assert res["finished"] == 0
+    assert res["step_full"] == [False] * 4 + [True] * 5  # a request waiting from step 4
+    assert res["capacity_steps"] == 5 and res["capacity_tokens"] == 10
