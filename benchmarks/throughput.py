@@ -273,8 +273,7 @@ def timed_steady(llm, rec: StepRecorder, mgr, prompts, cfg, clock: StepClock) ->
     lengths = steady_lengths(cfg)
     gap = cfg["arrival_gap"]
     horizon = cfg.get("steady_steps") or math.inf
-    done: dict[int, object] = {}
-    last: dict[int, object] = {}  # each request's newest output (cumulative tokens)
+    latest: dict[int, object] = {}  # each request's newest output (cumulative tokens)
     emitted: dict[str, int] = {}
     full = {"steps": 0, "s": 0.0, "tokens": 0, "running": 0}
     trace = {"step_s": [], "step_tokens": [], "step_full": [], "step_running": [],
@@ -295,9 +294,7 @@ def timed_steady(llm, rec: StepRecorder, mgr, prompts, cfg, clock: StepClock) ->
                 n = len(out.outputs[0].token_ids)
                 new += n - emitted.get(out.request_id, 0)
                 emitted[out.request_id] = n
-                last[int(out.request_id)] = out
-                if out.finished:
-                    done[int(out.request_id)] = out
+                latest[int(out.request_id)] = out
             waiting = bool(rec.scheduler.get_request_counts()[1])
             running = rec.running[-1] if rec.running else 0
             for key, v in zip(trace, (dt, new, waiting, running, clock.warm[-1])):
@@ -309,10 +306,11 @@ def timed_steady(llm, rec: StepRecorder, mgr, prompts, cfg, clock: StepClock) ->
                 full["running"] += running
             step += 1
         if step >= horizon:  # stopped, not drained: free what is still running
-            engine.abort_request([str(i) for i in range(added) if i not in done])
             none = SimpleNamespace(finished=False, outputs=[SimpleNamespace(token_ids=[])])
-            return [done.get(i, last.get(i, none)) for i in range(added)]
-        return [done[i] for i in range(len(prompts))]
+            outs = [latest.get(i, none) for i in range(added)]
+            engine.abort_request([str(i) for i, o in enumerate(outs) if not o.finished])
+            return outs
+        return [latest[i] for i in range(len(prompts))]
 
     res = _timed(rec, mgr, cfg, run, lengths, clock)
     res.update(trace)

@@ -39,18 +39,19 @@ def _unlink(name: str) -> None:
         pass
 
 
-def segment_name(dist) -> str:
-    """The name of this rank's segment (SHMManager::get_shm_name)."""
-    return f"{dist.group_name}_{dist.communicator.rank}"
+def segment_name(group_name: str, rank: int) -> str:
+    """The name of a group's segment for `rank` (SHMManager::get_shm_name)."""
+    return f"{group_name}_{rank}"
 
 
 def apply() -> None:
     from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
 
     def _init_cpu_shm(self) -> int:
-        _unlink(segment_name(self))  # a dead engine's, same name (see WHY)
+        name = segment_name(self.group_name, self.communicator.rank)
+        _unlink(name)  # a dead engine's, same name (see WHY)
         handle = _init_cpu_shm.__kvevict_original__(self)
-        _unlink(segment_name(self))  # every rank has mapped it: the name may go
+        _unlink(name)  # every rank has mapped it: the name may go
         return handle
 
     mark_patched(_CPUSHMDistributed, "_init_cpu_shm", _init_cpu_shm)

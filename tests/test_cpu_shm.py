@@ -35,6 +35,8 @@ from _posixshmem import shm_open, shm_unlink
 from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
 from vllm.platforms import current_platform
 
+from patches import cpu_shm_unlink
+
 current_platform.import_kernels()  # torch.ops._C, as a worker loads it
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 
@@ -45,11 +47,10 @@ class Communicator:  # what _CPUSHMDistributed reads of a CpuCommunicator
 
 
 os.environ["VLLM_DIST_IDENT"] = "kvevict-test-" + uuid.uuid4().hex
-name = _CPUSHMDistributed.make_group_name(Communicator) + "_0"
+name = cpu_shm_unlink.segment_name(_CPUSHMDistributed.make_group_name(Communicator), 0)
 os.close(shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
 try:
     if sys.argv[2] == "patched":
-        from patches import cpu_shm_unlink
         cpu_shm_unlink.apply()
     result = {"started": True, "error": None}
     try:

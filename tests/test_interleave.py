@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -180,7 +181,6 @@ class _QueueEngine:
         self.reqs[rid] = {"want": params.max_tokens, "ids": []}
 
     def step(self):
-        from types import SimpleNamespace
         outs = []
         for rid in list(self.reqs)[:self.cap]:
             r = self.reqs[rid]
@@ -208,8 +208,6 @@ def test_steady_steps_stops_every_engine_at_the_horizon_with_arrivals_until_then
     """--steady-steps S: S / gap requests (arrivals never stop before S), the
     run ends after step S, what still runs or waits is aborted, and every
     added request comes back in order with the tokens it had."""
-    from types import SimpleNamespace
-
     import throughput
     model = tmp_path / "tiny"
     model.mkdir()
