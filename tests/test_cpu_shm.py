@@ -35,7 +35,7 @@ from _posixshmem import shm_open, shm_unlink
 from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
 from vllm.platforms import current_platform
 
-from patches import cpu_shm_unlink
+from vllm_kvevict.patches import cpu_shm_unlink
 
 current_platform.import_kernels()  # torch.ops._C, as a worker loads it
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)

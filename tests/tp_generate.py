@@ -87,13 +87,13 @@ def shm_segments() -> dict:
 
     from vllm.distributed import get_pp_group, get_tp_group
 
+    from vllm_kvevict.patches.cpu_shm_unlink import segment_name
+
     found = {}
     for group in (get_tp_group(), get_pp_group()):
         dist = getattr(group.device_communicator, "dist_module", None)
         if type(dist).__name__ == "_CPUSHMDistributed":
-            # patches.cpu_shm_unlink.segment_name's rule, spelled here: a worker
-            # imports the plugin's package, not the repository's `patches`
-            names = [f"{dist.group_name}_{r}" for r in range(group.world_size)]
+            names = [segment_name(dist.group_name, r) for r in range(group.world_size)]
             found[group.unique_name] = [n for n in names if os.path.exists(f"/dev/shm/{n}")]
     return found
 
