@@ -6,6 +6,7 @@ or in the memory-short throughput benchmark.
     python benchmarks/step_breakdown.py --by-function --policies h2o snapkv andpro
     python benchmarks/step_breakdown.py --workload short   # ~1 min per policy, both cores
     python benchmarks/step_breakdown.py --workload steady --dtype float32 --by-function
+    python benchmarks/step_breakdown.py --workload steady --steady-steps 1600 --by-function
 
 `--workload demo` (default) runs `vllm_kvevict.demo`'s offline batch (16
 chat requests x 256 greedy tokens, budget 160, block 32, bf16, memory ample);
@@ -43,7 +44,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def one(policy: str, workload: str = "demo", by_function: bool = False,
-        dtype: str = "bfloat16") -> dict:
+        dtype: str = "bfloat16", steady_steps: int | None = None) -> dict:
     """The workload under `policy` with timers, in this (fresh) process;
     by_function: one category per timed function (its name), not three."""
     from common import install_timers
@@ -62,6 +63,8 @@ def one(policy: str, workload: str = "demo", by_function: bool = False,
                    output_len=512, pool_tokens=8192, repeats=1)
         if workload == "steady":
             cfg.update(workload="steady", arrival_gap=2)
+            if steady_steps:  # the open workload: arrivals until that step, stopped there
+                cfg.update(steady_steps=steady_steps, num_requests=-(-steady_steps // 2))
         result = throughput.run_config(cfg)
         tok_s, wall_s = result["out_tok_s"], result["wall_s"]
     else:
@@ -86,13 +89,17 @@ def main() -> None:
                    help="the demo's batch (memory ample) or throughput.py's memory-short run "
                         "(lockstep or steady state)")
     p.add_argument("--dtype", default="bfloat16", help="model dtype of short/steady")
+    p.add_argument("--steady-steps", type=int, default=None,
+                   help="steady: keep arrivals coming until this step and stop there "
+                        "(throughput.py --steady-steps); default: drain 64 requests")
     p.add_argument("--by-function", action="store_true",
                    help="also print each timed function's exclusive ms / calls")
     p.add_argument("--json")
     args = p.parse_args()
     from prefix_cache import in_fresh_process
 
-    rows = [in_fresh_process(one, policy, args.workload, args.by_function, args.dtype)
+    rows = [in_fresh_process(one, policy, args.workload, args.by_function, args.dtype,
+                             args.steady_steps)
             for _ in range(args.repeats) for policy in args.policies]
     if args.by_function:
         for r in rows:
