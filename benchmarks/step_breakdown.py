@@ -43,6 +43,28 @@ from common import CATEGORIES, PER_STEP
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+def memory_short_config(policy: str, workload: str = "short", dtype: str = "bfloat16",
+                        steady_steps: int | None = None) -> dict:
+    """throughput.run_config's memory-short configuration under `policy`:
+    lockstep ("short") or steady arrivals ("steady"), with steady_steps the
+    open workload (arrivals until that step, every request stopped there)."""
+    import math
+
+    from vllm_kvevict.models import ensure_smollm2
+
+    cfg = dict(model=ensure_smollm2(), block_size=32, max_model_len=1024,
+               dtype=dtype, recent=64, prompt_len=256, warmup=True,
+               no_prefix_caching=False, table="constrained", policy=policy,
+               budget=None if policy == "none" else 160, num_requests=64,
+               output_len=512, pool_tokens=8192, repeats=1)
+    if workload == "steady":
+        cfg.update(workload="steady", arrival_gap=2)
+        if steady_steps:  # as throughput.py --steady-steps: never a dry queue before it
+            cfg.update(steady_steps=steady_steps,
+                       num_requests=math.ceil(steady_steps / cfg["arrival_gap"]))
+    return cfg
+
+
 def one(policy: str, workload: str = "demo", by_function: bool = False,
         dtype: str = "bfloat16", steady_steps: int | None = None) -> dict:
     """The workload under `policy` with timers, in this (fresh) process;
@@ -56,16 +78,7 @@ def one(policy: str, workload: str = "demo", by_function: bool = False,
     if workload in ("short", "steady"):
         import throughput
 
-        cfg = dict(model=ensure_smollm2(), block_size=32, max_model_len=1024,
-                   dtype=dtype, recent=64, prompt_len=256, warmup=True,
-                   no_prefix_caching=False, table="constrained", policy=policy,
-                   budget=None if policy == "none" else 160, num_requests=64,
-                   output_len=512, pool_tokens=8192, repeats=1)
-        if workload == "steady":
-            cfg.update(workload="steady", arrival_gap=2)
-            if steady_steps:  # the open workload: arrivals until that step, stopped there
-                cfg.update(steady_steps=steady_steps, num_requests=-(-steady_steps // 2))
-        result = throughput.run_config(cfg)
+        result = throughput.run_config(memory_short_config(policy, workload, dtype, steady_steps))
         tok_s, wall_s = result["out_tok_s"], result["wall_s"]
     else:
         from vllm_kvevict.demo import run

@@ -24,9 +24,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 def main(steps: int) -> None:
     import throughput
+    from step_breakdown import memory_short_config
 
     from vllm_kvevict import cpu_kernel
-    from vllm_kvevict.models import ensure_smollm2
 
     real = cpu_kernel.attend_add_column_sums
     first = second = 0.0
@@ -41,12 +41,9 @@ def main(steps: int) -> None:
         first, second, calls = first + t1 - t0, second + time.perf_counter() - t1, calls + 1
 
     cpu_kernel.attend_add_column_sums = twice  # looked up at call time (fused_attention.attend)
-    throughput.run_config(dict(
-        model=ensure_smollm2(), block_size=32, max_model_len=1024, dtype="bfloat16", recent=64,
-        prompt_len=256, warmup=True, no_prefix_caching=False, table="constrained",
-        policy="streaming", budget=160, num_requests=steps // 2, output_len=512,
-        pool_tokens=8192, repeats=1, max_num_seqs=50, workload="steady", arrival_gap=2,
-        steady_steps=steps))
+    # throughput.py's steady command runs every engine at --max-num-seqs 50
+    throughput.run_config(dict(memory_short_config("streaming", "steady", steady_steps=steps),
+                               max_num_seqs=50))
     if not calls:
         raise SystemExit("the pass never ran (VLLM_KVEVICT_CPU_FUSED=off, or no kernel built)")
     print(f"{calls} calls (layer x step): first {first / calls * 1e6:.0f} us, "
