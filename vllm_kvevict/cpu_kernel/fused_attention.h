@@ -22,6 +22,16 @@
 // kernel reads a decode's cache once (decode steps: 0.6-1.0x the time of
 // vLLM's attention, which computes no scores).
 //
+// A decode row reads its blocks as the loop reaches them, and in the engine
+// they come from memory: a layer's keys and values were last read a step ago,
+// and the whole pool (30 layers) is several times the L3. The hardware
+// prefetcher starts over at every 4 KB page, and a (block, head)'s keys are
+// one page wherever vLLM put the block, so decode loops prefetch the block
+// they read next one line per iteration of the current one (a block ahead:
+// next keys, then the first values, next values, then the keys of the task
+// the counter hands out next). A whole task's lines prefetched at its start
+// gained 6-9%, in-loop 30-35% (scripts/measure/decode_pass_cold.py).
+//
 // On CPUs without AVX-512 BF16, and for float32 models, the same pass runs
 // on AVX2 + FMA (fused_attention_avx2.h: float32 arithmetic, keys and values
 // read in place for every row); the tasks and their merge below serve both.
@@ -165,11 +175,24 @@ void pv_block(const float* p, int64_t ld, const int64_t* vis, const float* inv, 
 // head) as vLLM's own kernel does, with logits for the G heads of its group
 // and P V into G rows of registers.
 
+// The line at byte `at` of `block` (a (block, head)'s keys or values) on its
+// way to L1; a null block (nothing next) prefetches nothing.
+inline void prefetch_line(const char* block, int64_t at) {
+  if (block != nullptr) _mm_prefetch(block + at, _MM_HINT_T0);
+}
+
+// The first line of a (block, head)'s values of row r: vc[blocks[r][k], h].
+inline const char* value_block(const at::Tensor& vc, const Batch& b, int64_t r, int64_t h, int64_t k) {
+  return reinterpret_cast<const char*>(vc.data_ptr<at::BFloat16>() + b.blocks[r * b.nblk + k] * vc.stride(0) +
+                                       h * vc.stride(1));
+}
+
 // l[j * ld + i] = q_j . k_i for i in [0, n16) (n16 a multiple of 16, within
 // the row's blocks; slots past its length are read and masked later).
+// `after`: the block read after the last keys (prefetched during them).
 template <int G>
 void decode_logits(const Work& w, int64_t r, int64_t h, int64_t n16, const int32_t* qp, int64_t hp,
-                   float* l, int64_t ld) {
+                   float* l, int64_t ld, const char* after) {
   const __m512i idx = pair_index();
   for (int64_t t = 0; t < n16; t += 16) {
     const uint16_t* block = reinterpret_cast<const uint16_t*>(key_base<at::BFloat16>(w, r, h, t));
@@ -192,7 +215,12 @@ void decode_logits(const Work& w, int64_t r, int64_t h, int64_t n16, const int32
       for (int j = 0; j < G; ++j) acc[j] = _mm512_add_ps(acc[j], odd[j]);
     } else {
       const uint16_t* base = block + t % w.bs;
+      // a block's BS x D keys are BS / 16 tiles of D / 2 pairs: one line each
+      const char* next = t + w.bs < n16
+          ? reinterpret_cast<const char*>(key_base<at::BFloat16>(w, r, h, t + w.bs)) : after;
+      const int64_t line0 = (t % w.bs) / 16 * hp;
       for (int64_t p = 0; p < hp; ++p) {  // dims 2p, 2p + 1 of 16 tokens, as pack_bf16 makes them
+        prefetch_line(next, (line0 + p) * 64);
         const __m512bh kv = (__m512bh)dim_pair_bf16(base + 2 * p * w.bs, base + (2 * p + 1) * w.bs, idx);
         for (int j = 0; j < G; ++j)
           acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32(qp[j * hp + p]), kv);
@@ -203,10 +231,11 @@ void decode_logits(const Work& w, int64_t r, int64_t h, int64_t n16, const int32
 }
 
 // dst[j] = inv[j] * sum_i p[j, i] v_i over i in [0, n), JN rows, DV 16-dim
-// vectors a head; values widened from the paged cache as they are read.
+// vectors a head; values widened from the paged cache as they are read
+// (`after`, the block read next, prefetched during the last).
 template <int JN, int DV>
 void decode_pv(const at::Tensor& vc, const Batch& b, int64_t r, int64_t h, int64_t n, const float* p,
-               int64_t ld, const float* inv, uint16_t* const* dst) {
+               int64_t ld, const float* inv, uint16_t* const* dst, const char* after) {
   const uint16_t* cache = reinterpret_cast<const uint16_t*>(vc.data_ptr<at::BFloat16>());
   __m512 acc[JN][DV];
   for (int j = 0; j < JN; ++j)
@@ -235,7 +264,9 @@ void decode_pv(const at::Tensor& vc, const Batch& b, int64_t r, int64_t h, int64
       }
       continue;
     }
+    const char* next = i0 + b.bs < n ? value_block(vc, b, r, h, i0 / b.bs + 1) : after;
     for (int64_t i = 0; i < m; ++i) {
+      for (int64_t at = 0; at < b.d * 2; at += 64) prefetch_line(next, i * b.d * 2 + at);  // its D dims
       __m512 vr[DV];
       for (int c = 0; c < DV; ++c)
         vr[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -250,27 +281,29 @@ void decode_pv(const at::Tensor& vc, const Batch& b, int64_t r, int64_t h, int64
 // ((JN + 1) x DV vectors within 32): each value read once per JN rows.
 template <int DV>
 void decode_pv_rows(const at::Tensor& vc, const Batch& b, int64_t r, int64_t h, int64_t n,
-                    const float* p, int64_t ld, const float* inv, uint16_t* const* dst, int64_t nb) {
+                    const float* p, int64_t ld, const float* inv, uint16_t* const* dst, int64_t nb,
+                    const char* after) {
   constexpr int MAXJ = DV <= 4 ? 4 : DV <= 6 ? 3 : 2;
   for (int64_t j = 0; j < nb;) {
     const int64_t k = std::min<int64_t>(MAXJ, nb - j);
     const float* pj = p + j * ld;
     switch (k) {
-      case 4: if constexpr (MAXJ >= 4) decode_pv<4, DV>(vc, b, r, h, n, pj, ld, inv + j, dst + j); break;
-      case 3: if constexpr (MAXJ >= 3) decode_pv<3, DV>(vc, b, r, h, n, pj, ld, inv + j, dst + j); break;
-      case 2: decode_pv<2, DV>(vc, b, r, h, n, pj, ld, inv + j, dst + j); break;
-      default: decode_pv<1, DV>(vc, b, r, h, n, pj, ld, inv + j, dst + j);
+      case 4: if constexpr (MAXJ >= 4) decode_pv<4, DV>(vc, b, r, h, n, pj, ld, inv + j, dst + j, after); break;
+      case 3: if constexpr (MAXJ >= 3) decode_pv<3, DV>(vc, b, r, h, n, pj, ld, inv + j, dst + j, after); break;
+      case 2: decode_pv<2, DV>(vc, b, r, h, n, pj, ld, inv + j, dst + j, after); break;
+      default: decode_pv<1, DV>(vc, b, r, h, n, pj, ld, inv + j, dst + j, after);
     }
     j += k;
   }
 }
 
 // Query heads [j0, j0 + G) of a decode task's group: logits, softmax, their
-// column sums added into `col`, P V.
+// column sums added into `col`, P V; `next_keys` (the next task's first keys,
+// or null) prefetched during its last values.
 template <int G>
 void decode_row(const Work& w, const at::Tensor& vc, const Batch& b, const Task& t, int64_t j0,
                 const uint16_t* q, uint16_t* out, float* col, std::vector<float>& logits,
-                std::vector<int32_t>& qp) {
+                std::vector<int32_t>& qp, const char* next_keys) {
   const int64_t d = b.d, hp = d / 2, tok = b.starts[t.r], n = b.seq[t.r];
   const int64_t n16 = (n + 15) / 16 * 16;
   logits.resize(G * n16);
@@ -285,36 +318,37 @@ void decode_row(const Work& w, const at::Tensor& vc, const Batch& b, const Task&
     vis[j] = n;
   }
   float* l = logits.data();
-  decode_logits<G>(w, t.r, t.h, n16, qp.data(), hp, l, n16);
+  decode_logits<G>(w, t.r, t.h, n16, qp.data(), hp, l, n16, value_block(vc, b, t.r, t.h, 0));
   exp_rows_512(l, n16, vis, G, n16, w.scale, inv);
   if (col != nullptr) add_rows_512(l, n16, inv, G, n16, col);
   switch (d / 16) {
-    case 1: decode_pv_rows<1>(vc, b, t.r, t.h, n, l, n16, inv, dst, G); break;
-    case 2: decode_pv_rows<2>(vc, b, t.r, t.h, n, l, n16, inv, dst, G); break;
-    case 3: decode_pv_rows<3>(vc, b, t.r, t.h, n, l, n16, inv, dst, G); break;
-    case 4: decode_pv_rows<4>(vc, b, t.r, t.h, n, l, n16, inv, dst, G); break;
-    case 5: decode_pv_rows<5>(vc, b, t.r, t.h, n, l, n16, inv, dst, G); break;
-    case 6: decode_pv_rows<6>(vc, b, t.r, t.h, n, l, n16, inv, dst, G); break;
-    case 7: decode_pv_rows<7>(vc, b, t.r, t.h, n, l, n16, inv, dst, G); break;
-    default: decode_pv_rows<8>(vc, b, t.r, t.h, n, l, n16, inv, dst, G); break;
+    case 1: decode_pv_rows<1>(vc, b, t.r, t.h, n, l, n16, inv, dst, G, next_keys); break;
+    case 2: decode_pv_rows<2>(vc, b, t.r, t.h, n, l, n16, inv, dst, G, next_keys); break;
+    case 3: decode_pv_rows<3>(vc, b, t.r, t.h, n, l, n16, inv, dst, G, next_keys); break;
+    case 4: decode_pv_rows<4>(vc, b, t.r, t.h, n, l, n16, inv, dst, G, next_keys); break;
+    case 5: decode_pv_rows<5>(vc, b, t.r, t.h, n, l, n16, inv, dst, G, next_keys); break;
+    case 6: decode_pv_rows<6>(vc, b, t.r, t.h, n, l, n16, inv, dst, G, next_keys); break;
+    case 7: decode_pv_rows<7>(vc, b, t.r, t.h, n, l, n16, inv, dst, G, next_keys); break;
+    default: decode_pv_rows<8>(vc, b, t.r, t.h, n, l, n16, inv, dst, G, next_keys); break;
   }
 }
 
 // A decode task (one query, unsplit, keys in vLLM's vec layouts) in place,
 // its group's heads at most 8 at a time; false where it is not one (run_task packs).
 bool run_decode(const Work& w, const at::Tensor& vc, const Batch& b, const Task& t, const uint16_t* q,
-                uint16_t* out, float* col, std::vector<float>& logits, std::vector<int32_t>& qp) {
+                uint16_t* out, float* col, std::vector<float>& logits, std::vector<int32_t>& qp,
+                const char* next_keys) {
   if (!(w.tiles.rows || w.tiles.amx) || t.splits != 1 || b.starts[t.r + 1] - b.starts[t.r] != 1) return false;
   for (int64_t j0 = 0; j0 < b.g; j0 += 8) {
     switch (std::min<int64_t>(8, b.g - j0)) {
-      case 1: decode_row<1>(w, vc, b, t, j0, q, out, col, logits, qp); break;
-      case 2: decode_row<2>(w, vc, b, t, j0, q, out, col, logits, qp); break;
-      case 3: decode_row<3>(w, vc, b, t, j0, q, out, col, logits, qp); break;
-      case 4: decode_row<4>(w, vc, b, t, j0, q, out, col, logits, qp); break;
-      case 5: decode_row<5>(w, vc, b, t, j0, q, out, col, logits, qp); break;
-      case 6: decode_row<6>(w, vc, b, t, j0, q, out, col, logits, qp); break;
-      case 7: decode_row<7>(w, vc, b, t, j0, q, out, col, logits, qp); break;
-      default: decode_row<8>(w, vc, b, t, j0, q, out, col, logits, qp); break;
+      case 1: decode_row<1>(w, vc, b, t, j0, q, out, col, logits, qp, next_keys); break;
+      case 2: decode_row<2>(w, vc, b, t, j0, q, out, col, logits, qp, next_keys); break;
+      case 3: decode_row<3>(w, vc, b, t, j0, q, out, col, logits, qp, next_keys); break;
+      case 4: decode_row<4>(w, vc, b, t, j0, q, out, col, logits, qp, next_keys); break;
+      case 5: decode_row<5>(w, vc, b, t, j0, q, out, col, logits, qp, next_keys); break;
+      case 6: decode_row<6>(w, vc, b, t, j0, q, out, col, logits, qp, next_keys); break;
+      case 7: decode_row<7>(w, vc, b, t, j0, q, out, col, logits, qp, next_keys); break;
+      default: decode_row<8>(w, vc, b, t, j0, q, out, col, logits, qp, next_keys); break;
     }
   }
   return true;
@@ -327,9 +361,10 @@ struct Scratch {
   std::vector<int64_t> tok, head, vis;
 };
 
+// `next_keys`: the first keys of the task likely to come next (see decode_row).
 void run_task(const Work& w, const at::Tensor& vc, const Batch& b, const Task& t, const uint16_t* q,
-              uint16_t* out, float* col, Scratch& s) {
-  if (run_decode(w, vc, b, t, q, out, col, s.logits, s.qp)) return;
+              uint16_t* out, float* col, Scratch& s, const char* next_keys) {
+  if (run_decode(w, vc, b, t, q, out, col, s.logits, s.qp, next_keys)) return;
   task_rows(b, t, s.tok, s.head, s.vis);
   if (s.tok.empty()) return;
   const int64_t d = b.d, hp = d / 2;
@@ -481,6 +516,13 @@ void attend_add_column_sums(at::Tensor out, const at::Tensor& q, const at::Tenso
   std::vector<float> colbuf(cols, 0.0f);
   std::atomic<size_t> next{0};
   auto col_of = [&](const fused::Task& t) { return t.col < 0 ? nullptr : colbuf.data() + t.col; };
+  // The first keys of the task the counter hands out next: this thread's,
+  // unless another takes it first (they then warm a neighbour's cache).
+  const char* kbase = static_cast<const char*>(key_cache.data_ptr());
+  auto next_keys = [&]() {
+    const fused::Task& t = tasks[std::min(next.load(std::memory_order_relaxed), tasks.size() - 1)];
+    return kbase + (bl[t.r * nblk] * key_cache.stride(0) + t.h * key_cache.stride(1)) * key_cache.element_size();
+  };
   at::parallel_for(0, std::min<int64_t>(threads, tasks.size()), 1, [&](int64_t, int64_t) {
     if (!avx2) {
       const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
@@ -493,18 +535,18 @@ void attend_add_column_sums(at::Tensor out, const at::Tensor& q, const at::Tenso
       } else {
         fused::Scratch s;
         for (size_t i = next++; i < tasks.size(); i = next++)
-          fused::run_task(w, value_cache, b, tasks[i], qd, od, col_of(tasks[i]), s);
+          fused::run_task(w, value_cache, b, tasks[i], qd, od, col_of(tasks[i]), s, next_keys());
       }
     } else if (dt == at::kBFloat16) {
       fused256::Scratch s;
       for (size_t i = next++; i < tasks.size(); i = next++)
         fused256::run_task<at::BFloat16>(w, value_cache, b, tasks[i], q.data_ptr<at::BFloat16>(),
-                                         out.data_ptr<at::BFloat16>(), col_of(tasks[i]), s);
+                                         out.data_ptr<at::BFloat16>(), col_of(tasks[i]), s, next_keys());
     } else {
       fused256::Scratch s;
       for (size_t i = next++; i < tasks.size(); i = next++)
         fused256::run_task<float>(w, value_cache, b, tasks[i], q.data_ptr<float>(), out.data_ptr<float>(),
-                                  col_of(tasks[i]), s);
+                                  col_of(tasks[i]), s, next_keys());
     }
   });
   // Each scored (row, head): its splits' sums, added into its slots (rows

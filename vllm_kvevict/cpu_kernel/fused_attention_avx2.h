@@ -10,7 +10,9 @@
 // (row, KV head), e.g. a decode row's GQA group): logits 4 rows x 16 keys at a
 // time (dot_4x16's tile, keys loaded once per 4 rows), exps in place, the
 // column sums, then P V 3 rows x 32 dims at a time (12 accumulators: each
-// value vector loaded, widened, once per 3 rows).
+// value vector loaded, widened, once per 3 rows). As on the AVX-512 path, the
+// loops prefetch the block they read next during the current one (keys, the
+// first values, values, the next task's first keys).
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
@@ -43,12 +45,15 @@ inline void store8(at::BFloat16* p, __m256 v) {
 // but moved GCC's inlining: the H2O flush 11-18% or AnDPro's window scores
 // 8-12% slower on an AVX2-only EPYC (results/avx2/kernel_ab_dot4x16.md), so
 // each keeps its own.
+// `pf`: bytes [0, 16 * d * sizeof(T)) prefetched, 16 tokens' worth a dim
+// (the matching share of the block read next), or null.
 template <typename T>
 inline void logits_4x16(const float* qf, int64_t j0, const T* kb, int64_t bs, int64_t d, __m256 scale,
-                        float* out, int64_t ld) {
+                        float* out, int64_t ld, const char* pf) {
   __m256 a0[4], a1[4];
   for (int j = 0; j < 4; ++j) a0[j] = a1[j] = _mm256_setzero_ps();
   for (int64_t k = 0; k < d; ++k) {
+    if (pf != nullptr) _mm_prefetch(pf + k * 16 * sizeof(T), _MM_HINT_T0);
     const __m256 kv0 = load8(kb + k * bs), kv1 = load8(kb + k * bs + 8);
     for (int j = 0; j < 4; ++j) {
       const __m256 b = _mm256_set1_ps(qf[(j0 + j) * d + k]);
@@ -64,9 +69,10 @@ inline void logits_4x16(const float* qf, int64_t j0, const T* kb, int64_t bs, in
 
 // dst[j][c0 + (0..DV*8)] = inv[j] * sum_i p[j * ld + i] v_i[c0 + ...] over
 // i < top, JN rows (their exps zero past each horizon), DV 8-dim vectors.
+// `after`: the block read after the last values (its slice prefetched).
 template <typename T, int JN, int DV>
 void pv_slice(const at::Tensor& vc, const fused::Batch& b, int64_t r, int64_t h, int64_t top,
-              const float* p, int64_t ld, const float* inv, T* const* dst, int64_t c0) {
+              const float* p, int64_t ld, const float* inv, T* const* dst, int64_t c0, const char* after) {
   const T* cache = vc.data_ptr<T>();
   __m256 acc[JN][DV];
   for (int j = 0; j < JN; ++j)
@@ -74,7 +80,12 @@ void pv_slice(const at::Tensor& vc, const fused::Batch& b, int64_t r, int64_t h,
   for (int64_t i0 = 0; i0 < top; i0 += b.bs) {
     const T* src = cache + b.blocks[r * b.nblk + i0 / b.bs] * vc.stride(0) + h * vc.stride(1) + c0;
     const int64_t m = std::min(b.bs, top - i0);
+    const char* next = i0 + b.bs < top ? reinterpret_cast<const char*>(
+        cache + b.blocks[r * b.nblk + i0 / b.bs + 1] * vc.stride(0) + h * vc.stride(1)) : after;
     for (int64_t i = 0; i < m; ++i) {
+      if (next != nullptr)  // the same token's slice of dims in the next block
+        for (int64_t at = 0; at < DV * 8 * int64_t(sizeof(T)); at += 64)
+          _mm_prefetch(next + (i * b.d + c0) * sizeof(T) + at, _MM_HINT_T0);
       __m256 pj[JN];
       for (int j = 0; j < JN; ++j) pj[j] = _mm256_set1_ps(p[j * ld + i0 + i]);
       for (int c = 0; c < DV; ++c) {
@@ -92,7 +103,7 @@ void pv_slice(const at::Tensor& vc, const fused::Batch& b, int64_t r, int64_t h,
 // P V of nb rows: 3 rows at a time, 32 dims at a time (16 for a last half).
 template <typename T>
 void pv_rows(const at::Tensor& vc, const fused::Batch& b, int64_t r, int64_t h, const float* p,
-             int64_t ld, const int64_t* vis, const float* inv, T* const* dst, int64_t nb) {
+             int64_t ld, const int64_t* vis, const float* inv, T* const* dst, int64_t nb, const char* after) {
   for (int64_t j = 0; j < nb; j += 3) {
     const int64_t k = std::min<int64_t>(3, nb - j);
     int64_t top = 0;
@@ -100,12 +111,12 @@ void pv_rows(const at::Tensor& vc, const fused::Batch& b, int64_t r, int64_t h, 
     const float* pj = p + j * ld;
     for (int64_t c0 = 0; c0 < b.d; c0 += 32) {
       const bool half = b.d - c0 == 16;
-      if (k == 3) half ? pv_slice<T, 3, 2>(vc, b, r, h, top, pj, ld, inv + j, dst + j, c0)
-                       : pv_slice<T, 3, 4>(vc, b, r, h, top, pj, ld, inv + j, dst + j, c0);
-      else if (k == 2) half ? pv_slice<T, 2, 2>(vc, b, r, h, top, pj, ld, inv + j, dst + j, c0)
-                            : pv_slice<T, 2, 4>(vc, b, r, h, top, pj, ld, inv + j, dst + j, c0);
-      else half ? pv_slice<T, 1, 2>(vc, b, r, h, top, pj, ld, inv + j, dst + j, c0)
-                : pv_slice<T, 1, 4>(vc, b, r, h, top, pj, ld, inv + j, dst + j, c0);
+      if (k == 3) half ? pv_slice<T, 3, 2>(vc, b, r, h, top, pj, ld, inv + j, dst + j, c0, after)
+                       : pv_slice<T, 3, 4>(vc, b, r, h, top, pj, ld, inv + j, dst + j, c0, after);
+      else if (k == 2) half ? pv_slice<T, 2, 2>(vc, b, r, h, top, pj, ld, inv + j, dst + j, c0, after)
+                            : pv_slice<T, 2, 4>(vc, b, r, h, top, pj, ld, inv + j, dst + j, c0, after);
+      else half ? pv_slice<T, 1, 2>(vc, b, r, h, top, pj, ld, inv + j, dst + j, c0, after)
+                : pv_slice<T, 1, 4>(vc, b, r, h, top, pj, ld, inv + j, dst + j, c0, after);
     }
   }
 }
@@ -116,9 +127,10 @@ struct Scratch {
 };
 
 // One task (fused.h's Task): its rows in blocks of ROWS, keys and values in place.
+// `next_keys`: the first keys of the task likely to come next, or null.
 template <typename T>
 void run_task(const Work& w, const at::Tensor& vc, const fused::Batch& b, const fused::Task& t,
-              const T* q, T* out, float* col, Scratch& s) {
+              const T* q, T* out, float* col, Scratch& s, const char* next_keys) {
   fused::task_rows(b, t, s.tok, s.head, s.vis);
   if (s.tok.empty()) return;
   const int64_t d = b.d;
@@ -141,9 +153,17 @@ void run_task(const Work& w, const at::Tensor& vc, const fused::Batch& b, const 
       bhi = std::max(bhi, vis[j]);
     }
     float* l = s.logits.data();
-    for (int64_t c = 0; c < (bhi + 15) / 16; ++c) {
+    const int64_t tiles = (bhi + 15) / 16;
+    const char* values = reinterpret_cast<const char*>(
+        vc.data_ptr<T>() + b.blocks[t.r * b.nblk] * vc.stride(0) + t.h * vc.stride(1));
+    for (int64_t c = 0; c < tiles; ++c) {
       const T* kb = key_base<T>(w, t.r, t.h, c * 16) + c * 16 % b.bs;
-      for (int64_t j0 = 0; j0 < nb; j0 += 4) logits_4x16(s.qf.data(), j0, kb, b.bs, d, scale, l + c * 16, hi);
+      // this tile's share of the block after its own: the next keys, or the first values
+      const int64_t nxt = (c * 16 / b.bs + 1) * b.bs;
+      const char* pf = (nxt < tiles * 16 ? reinterpret_cast<const char*>(key_base<T>(w, t.r, t.h, nxt)) : values) +
+                       c * 16 % b.bs * d * sizeof(T);
+      for (int64_t j0 = 0; j0 < nb; j0 += 4)
+        logits_4x16(s.qf.data(), j0, kb, b.bs, d, scale, l + c * 16, hi, j0 == 0 ? pf : nullptr);
     }
     for (int64_t j = 0; j < nb; ++j) {
       float* row = l + j * hi;
@@ -151,7 +171,7 @@ void run_task(const Work& w, const at::Tensor& vc, const fused::Batch& b, const 
       std::fill(row + vis[j], row + hi, 0.0f);  // P V reads up to the block's widest row
       if (col != nullptr) add_row_256(row, vis[j], inv[j], col);
     }
-    pv_rows<T>(vc, b, t.r, t.h, l, hi, vis, inv, dst, nb);
+    pv_rows<T>(vc, b, t.r, t.h, l, hi, vis, inv, dst, nb, next_keys);
   }
 }
 
