@@ -124,7 +124,8 @@ def kv_bytes_per_token(model: str, dtype: str, kv_cache_dtype: str = "auto") -> 
 
 def plugin_fingerprint() -> str:
     """Short hash of the plugin's source as this process imported it (the
-    working tree may change under a long run: this makes that visible)."""
+    working tree may change under a long run: this makes that visible),
+    the CPU kernel's C++ included."""
     import hashlib
 
     import vllm_kvevict
@@ -132,7 +133,7 @@ def plugin_fingerprint() -> str:
     h = hashlib.sha1()
     root = Path(vllm_kvevict.__file__).resolve().parent.parent
     for sub in ("vllm_kvevict", "patches"):
-        for f in sorted((root / sub).rglob("*.py")):
+        for f in sorted(f for ext in ("py", "cpp", "h") for f in (root / sub).rglob(f"*.{ext}")):
             h.update(str(f.relative_to(root)).encode())
             h.update(f.read_bytes())
     return h.hexdigest()[:10]
