@@ -12,7 +12,9 @@ Each REV's kernel (built by kernel_ab.build_rev) and the checkout's take turns
 per sweep of the 30 layers, the order reversed every other sweep; --hot times
 a second call of each layer right after the first instead (the data in
 cache). `VLLM_KVEVICT_CPU_ISA=avx2` times the AVX2 path. Prints the median
-us per layer call and whether each build's output equals the first's.
+us per layer call and whether each build's output equals the first's, and
+beside them a floor: `torch.index_select` copying the same blocks (all the
+bytes the pass reads, 6 MB a layer) out of the pool, timed the same way.
 """
 
 import argparse
@@ -42,8 +44,8 @@ def main() -> None:
 
     layout = KVLayout.discover(ops.cpu_attn_reshape_and_cache, "vec", torch.bfloat16, BS, D, KV_HEADS)
     gen = torch.Generator().manual_seed(0)
-    caches = [layout.split(torch.randn(BLOCKS, KV_HEADS, BS, 2 * D, generator=gen).bfloat16())
-              for _ in range(LAYERS)]
+    pools = [torch.randn(BLOCKS, KV_HEADS, BS, 2 * D, generator=gen).bfloat16() for _ in range(LAYERS)]
+    caches = [layout.split(pool) for pool in pools]
     # rows hold disjoint blocks, anywhere in the pool, as requests do after a while
     tables = [torch.randperm(BLOCKS, generator=gen)[: ROWS * BLOCKS_PER_ROW].view(ROWS, -1).contiguous()
               for _ in range(LAYERS)]
@@ -54,10 +56,12 @@ def main() -> None:
     x = torch.randn(ROWS, 576).bfloat16()
     no_scores = torch.zeros(KV_HEADS, 0)
 
-    times = {name: [] for name, _ in builds}
+    gathered = torch.empty(ROWS * BLOCKS_PER_ROW, *pools[0].shape[1:], dtype=torch.bfloat16)
+    floor = "index_select (floor)"
+    times = {name: [] for name, _ in builds} | {floor: []}
     first_out = {}
     for sweep in range(args.sweeps + 1):  # sweep 0 warms up
-        for name, mod in (builds if sweep % 2 else builds[::-1]):
+        for name, mod in (builds if sweep % 2 else builds[::-1]) + [(floor, None)]:
             cpu_kernel.module = lambda mod=mod: mod  # what the entry point calls
             total = 0.0
             for layer in range(LAYERS):
@@ -66,11 +70,14 @@ def main() -> None:
                 out = torch.empty_like(q)
                 for call in range(2 if args.hot else 1):
                     t0 = time.perf_counter()
-                    cpu_kernel.attend_add_column_sums(out, layout, kc, vc, q, starts, seq, tables[layer],
-                                                      unscored, 0.125, no_scores)
+                    if mod is None:
+                        torch.index_select(pools[layer], 0, tables[layer].flatten(), out=gathered)
+                    else:
+                        cpu_kernel.attend_add_column_sums(out, layout, kc, vc, q, starts, seq, tables[layer],
+                                                          unscored, 0.125, no_scores)
                     elapsed = time.perf_counter() - t0
                 total += elapsed
-                if sweep == 0 and layer == 0:
+                if sweep == 0 and layer == 0 and mod is not None:
                     first_out[name] = out.clone()
             if sweep:
                 times[name].append(total / LAYERS * 1e6)
@@ -81,7 +88,7 @@ def main() -> None:
     print("| build | us/call | min | output |")
     print("|---|---:|---:|---|")
     for name, ts in times.items():
-        same = "equal to the first" if torch.equal(first_out[name], ref) else "DIFFERS"
+        same = "-" if name == floor else "equal to the first" if torch.equal(first_out[name], ref) else "DIFFERS"
         print(f"| {name} | {statistics.median(ts):.0f} | {min(ts):.0f} | {same} |")
 
 
