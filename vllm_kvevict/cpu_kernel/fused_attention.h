@@ -29,8 +29,9 @@
 // about a page (32 x 64 bf16) wherever vLLM put the block, so decode loops prefetch the block
 // they read next one line per iteration of the current one (a block ahead:
 // next keys, then the first values, next values, then the keys of the task
-// the counter hands out next). A whole task's lines prefetched at its start
-// gained 6-9%, in-loop 30-35% (scripts/measure/decode_pass_cold.py).
+// the counter hands out next). In-loop it takes 30-35% off the cold pass
+// (scripts/measure/decode_pass_cold.py); a whole task's lines prefetched at
+// its start, tried and not kept, took 6-9%.
 //
 // On CPUs without AVX-512 BF16, and for float32 models, the same pass runs
 // on AVX2 + FMA (fused_attention_avx2.h: float32 arithmetic, keys and values
@@ -82,6 +83,13 @@ void task_rows(const Batch& b, const Task& t, std::vector<int64_t>& tok, std::ve
       head.push_back(t.h * b.g + gg);
       vis.push_back(past + 1 + i);
     }
+}
+
+// The first byte of (row r's block k, head h) in a [NB, H, BS, D] cache view
+// (keys or values, any dtype): where the decode loops prefetch.
+inline const char* block_bytes(const at::Tensor& cache, const Batch& b, int64_t r, int64_t h, int64_t k) {
+  return static_cast<const char*>(cache.data_ptr()) +
+         (b.blocks[r * b.nblk + k] * cache.stride(0) + h * cache.stride(1)) * cache.element_size();
 }
 
 }  // namespace fused
@@ -181,12 +189,6 @@ inline void prefetch_line(const char* block, int64_t at) {
   if (block != nullptr) _mm_prefetch(block + at, _MM_HINT_T0);
 }
 
-// The first line of a (block, head)'s values of row r: vc[blocks[r][k], h].
-inline const char* value_block(const at::Tensor& vc, const Batch& b, int64_t r, int64_t h, int64_t k) {
-  return reinterpret_cast<const char*>(vc.data_ptr<at::BFloat16>() + b.blocks[r * b.nblk + k] * vc.stride(0) +
-                                       h * vc.stride(1));
-}
-
 // l[j * ld + i] = q_j . k_i for i in [0, n16) (n16 a multiple of 16, within
 // the row's blocks; slots past its length are read and masked later).
 // `after`: the block read after the last keys (prefetched during them).
@@ -264,7 +266,7 @@ void decode_pv(const at::Tensor& vc, const Batch& b, int64_t r, int64_t h, int64
       }
       continue;
     }
-    const char* next = i0 + b.bs < n ? value_block(vc, b, r, h, i0 / b.bs + 1) : after;
+    const char* next = i0 + b.bs < n ? block_bytes(vc, b, r, h, i0 / b.bs + 1) : after;
     for (int64_t i = 0; i < m; ++i) {
       for (int64_t at = 0; at < b.d * 2; at += 64) prefetch_line(next, i * b.d * 2 + at);  // its D dims
       __m512 vr[DV];
@@ -318,7 +320,7 @@ void decode_row(const Work& w, const at::Tensor& vc, const Batch& b, const Task&
     vis[j] = n;
   }
   float* l = logits.data();
-  decode_logits<G>(w, t.r, t.h, n16, qp.data(), hp, l, n16, value_block(vc, b, t.r, t.h, 0));
+  decode_logits<G>(w, t.r, t.h, n16, qp.data(), hp, l, n16, block_bytes(vc, b, t.r, t.h, 0));
   exp_rows_512(l, n16, vis, G, n16, w.scale, inv);
   if (col != nullptr) add_rows_512(l, n16, inv, G, n16, col);
   switch (d / 16) {
@@ -518,10 +520,9 @@ void attend_add_column_sums(at::Tensor out, const at::Tensor& q, const at::Tenso
   auto col_of = [&](const fused::Task& t) { return t.col < 0 ? nullptr : colbuf.data() + t.col; };
   // The first keys of the task the counter hands out next: this thread's,
   // unless another takes it first (they then warm a neighbour's cache).
-  const char* kbase = static_cast<const char*>(key_cache.data_ptr());
   auto next_keys = [&]() {
     const fused::Task& t = tasks[std::min(next.load(std::memory_order_relaxed), tasks.size() - 1)];
-    return kbase + (bl[t.r * nblk] * key_cache.stride(0) + t.h * key_cache.stride(1)) * key_cache.element_size();
+    return fused::block_bytes(key_cache, b, t.r, t.h, 0);
   };
   at::parallel_for(0, std::min<int64_t>(threads, tasks.size()), 1, [&](int64_t, int64_t) {
     if (!avx2) {

@@ -80,8 +80,7 @@ void pv_slice(const at::Tensor& vc, const fused::Batch& b, int64_t r, int64_t h,
   for (int64_t i0 = 0; i0 < top; i0 += b.bs) {
     const T* src = cache + b.blocks[r * b.nblk + i0 / b.bs] * vc.stride(0) + h * vc.stride(1) + c0;
     const int64_t m = std::min(b.bs, top - i0);
-    const char* next = i0 + b.bs < top ? reinterpret_cast<const char*>(
-        cache + b.blocks[r * b.nblk + i0 / b.bs + 1] * vc.stride(0) + h * vc.stride(1)) : after;
+    const char* next = i0 + b.bs < top ? fused::block_bytes(vc, b, r, h, i0 / b.bs + 1) : after;
     for (int64_t i = 0; i < m; ++i) {
       if (next != nullptr)  // the same token's slice of dims in the next block
         for (int64_t at = 0; at < DV * 8 * int64_t(sizeof(T)); at += 64)
@@ -154,8 +153,7 @@ void run_task(const Work& w, const at::Tensor& vc, const fused::Batch& b, const 
     }
     float* l = s.logits.data();
     const int64_t tiles = (bhi + 15) / 16;
-    const char* values = reinterpret_cast<const char*>(
-        vc.data_ptr<T>() + b.blocks[t.r * b.nblk] * vc.stride(0) + t.h * vc.stride(1));
+    const char* values = fused::block_bytes(vc, b, t.r, t.h, 0);
     for (int64_t c = 0; c < tiles; ++c) {
       const T* kb = key_base<T>(w, t.r, t.h, c * 16) + c * 16 % b.bs;
       // this tile's share of the block after its own: the next keys, or the first values
